@@ -1,0 +1,13 @@
+"""gact_graph: graph-aware activation compression for GNN training.
+
+Importing this package never initializes CUDA and never imports Triton; kernels are loaded
+lazily the first time a CUDA tensor is compressed.
+"""
+
+from gact_graph.api import compress_gnn
+from gact_graph.config import CompressionConfig
+from gact_graph.controller import Controller
+from gact_graph.quantize import QTensor, quantize
+
+__all__ = ["compress_gnn", "CompressionConfig", "Controller", "QTensor", "quantize"]
+__version__ = "0.1.0"
