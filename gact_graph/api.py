@@ -1,0 +1,64 @@
+"""`compress_gnn`: the one entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gact_graph.adapt import attach_adapter
+from gact_graph.config import CompressionConfig
+from gact_graph.controller import Controller
+from gact_graph.ops import install_pointwise_ops
+from gact_graph.sparse import install_sparse_paths
+
+__all__ = ["compress_gnn"]
+
+
+def compress_gnn(
+    model: nn.Module,
+    bits: float | None = 2,
+    *,
+    adaptive: bool = False,
+    group_size: int = 256,
+    min_numel: int = 2048,
+    seed: int = 0,
+    sparse: bool = True,
+    pointwise: bool = True,
+    opt_level: str = "L1",
+    adapt_interval: int | None = None,
+    config: CompressionConfig | None = None,
+    **extra: Any,
+) -> Controller:
+    """Compress what ``model`` saves for backward; returns the `Controller`.
+
+    ``bits=None`` (or 32) stores everything losslessly. The model itself is not modified beyond
+    hooks and patches that ``Controller.remove()`` undoes exactly; it can also be used as a
+    context manager::
+
+        with compress_gnn(model, bits=2) as ctl:
+            train(model)
+    """
+    if config is None:
+        config = CompressionConfig(
+            bits=bits,
+            adaptive=adaptive,
+            group_size=group_size,
+            min_numel=min_numel,
+            seed=seed,
+            sparse=sparse,
+            pointwise=pointwise,
+            opt_level=opt_level,
+            adapt_interval=adapt_interval,
+            extra=extra,
+        )
+    elif not isinstance(config, CompressionConfig):
+        raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+    ctl = Controller(model, config)
+    if config.sparse and not config.opt_level == "L0":
+        install_sparse_paths(ctl)
+    if config.pointwise and config.opt_level != "L0":
+        install_pointwise_ops(ctl)
+    if config.adaptive and not config.lossless:
+        attach_adapter(ctl)  # bits per tensor from measured sensitivity (gact_graph.adapt)
+    return ctl

@@ -1,0 +1,461 @@
+"""The controller: compresses what autograd saves for backward during a model's forward.
+
+It installs `torch.autograd.graph.saved_tensors_hooks` for the duration of the model's forward
+(root forward pre-hook enters, forward hook with ``always_call=True`` exits, so an exception in
+forward never leaves hooks behind). Every saved tensor goes through `Controller._pack`:
+
+- parameters (recognized by storage, never by value) and the model's own inputs are kept by
+  reference: they are alive anyway and cost nothing extra;
+- boolean masks are packed to 1 bit, integer tensors (indices) are kept losslessly;
+- float activations are quantized with the bits of the plan (fixed bits, or the adaptive plan);
+- a tensor already stored in this forward (same storage, view and version) is stored once.
+
+Autograd holds the returned `Stored` objects and releases them as backward consumes them, so
+compressed storage is freed exactly when autograd would have freed the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gact_graph.bitpack import PackedMask, pack_mask
+from gact_graph.config import CompressionConfig
+from gact_graph.quantize import QTensor, quantize
+from gact_graph.saved import (
+    KINDS,
+    StorageSet,
+    is_autocast_param_copy,
+    is_plain_strided,
+    storage_ref,
+    view_bytes,
+    view_key,
+)
+
+__all__ = ["Controller", "Stored"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(*parts: int) -> int:
+    """splitmix64 over the parts: decorrelated 31-bit seeds from (base, step, index, salt)."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        z = h
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h = z ^ (z >> 31)
+    return h & 0x7FFFFFFF
+
+
+class Stored:
+    """What autograd holds instead of a saved tensor.
+
+    ``payload`` is the tensor itself (kept by reference), a `QTensor`, a `PackedMask`, or any
+    object with ``unpack()`` and ``nbytes`` (graph-aware stores register those).
+    """
+
+    __slots__ = (
+        "name",
+        "kind",
+        "payload",
+        "bits",
+        "orig_bytes",
+        "stored_bytes",
+        "ref_version",
+        "__weakref__",
+    )
+
+    def __init__(self, name, kind, payload, bits, orig_bytes, stored_bytes, ref_version=None):
+        self.name = name
+        self.kind = kind
+        self.payload = payload
+        self.bits = bits
+        self.orig_bytes = orig_bytes
+        self.stored_bytes = stored_bytes
+        self.ref_version = ref_version
+
+    def unpack(self) -> torch.Tensor:
+        p = self.payload
+        if isinstance(p, torch.Tensor):
+            # With saved-tensor hooks autograd no longer checks versions; do it ourselves for
+            # what we keep by reference, so an in-place change is an error, as without us.
+            if self.ref_version is not None and p._version != self.ref_version:
+                raise RuntimeError(
+                    f"gact_graph: saved tensor '{self.name}' ({tuple(p.shape)}) was modified by "
+                    f"an inplace operation after it was saved for backward (version "
+                    f"{self.ref_version} -> {p._version}); gradients would be wrong"
+                )
+            return p
+        if torch.is_grad_enabled() and self.bits is not None:
+            raise RuntimeError(
+                "gact_graph: double backward (create_graph=True) through a compressed activation "
+                f"('{self.name}') is not supported; compress with bits=None for higher-order "
+                "gradients"
+            )
+        if isinstance(p, QTensor):
+            return p.dequantize()
+        return p.unpack()
+
+    def record(self, shape, dtype) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "shape": tuple(shape),
+            "dtype": str(dtype).replace("torch.", ""),
+            "bits": self.bits,
+            "orig_bytes": self.orig_bytes,
+            "stored_bytes": self.stored_bytes,
+            "uses": 1,
+        }
+
+
+class Controller:
+    """Compresses the tensors a model saves for backward. Made by `gact_graph.compress_gnn`.
+
+    Use it for the whole training run: call `iterate()` once per training step, `stats()` to see
+    bytes, `remove()` (or leave the ``with`` block) to restore the model exactly.
+    """
+
+    def __init__(self, model: nn.Module, config: CompressionConfig | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"compress_gnn expects an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_gact_graph_controller", None) is not None:
+            raise RuntimeError(
+                "this model is already compressed by a gact_graph Controller; call its remove() "
+                "first"
+            )
+        self.model = model
+        self.config = config if config is not None else CompressionConfig()
+        self.step = 0
+        #: bits per tensor name; names missing here get the config's fixed bits.
+        self.plan: dict[str, int | None] = {}
+        #: how each module is run ("generic", or the name of a graph-aware path).
+        self.module_paths: dict[str, str] = {}
+        #: per-step salt mixed into seeds (the adaptive estimator re-seeds one tensor with it).
+        self.seed_salt: dict[str, int] = {}
+        self.adapter = None  # set by gact_graph.adapt when adaptive=True
+
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._undo: list[Callable[[], None]] = []
+        self._context_factories: list[Callable[[], contextlib.AbstractContextManager]] = []
+        self._active: contextlib.ExitStack | None = None
+        self._module_stack: list[str] = []
+        self._pack_counts: dict[str, int] = {}
+        self._dedup: dict[Any, tuple[Any, weakref.ref]] = {}
+        self._params = StorageSet()
+        self._inputs = StorageSet()
+        self._lossless: dict[int, tuple[Any, str]] = {}
+        self._forward_id = 0
+        self._records_forward = -1
+        self._records: list[dict[str, Any]] = []
+        self._record_of: dict[str, dict[str, Any]] = {}
+        self._live: list[weakref.ref] = []
+        self._removed = False
+
+        if self.config.opt_level != "L0":
+            self._install()
+        model._gact_graph_controller = self
+
+    # ------------------------------------------------------------------ install / remove
+    def _install(self) -> None:
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._enter_forward, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(self._exit_forward, always_call=True))
+        for name, module in root.named_modules():
+            path = name or "<root>"
+            self.module_paths.setdefault(path, "generic")
+            self._handles.append(module.register_forward_pre_hook(self._push_module(path)))
+            self._handles.append(
+                module.register_forward_hook(self._pop_module(path), always_call=True)
+            )
+
+    def add_forward_context(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Enter ``factory()`` around every forward of the model (e.g. a TorchFunctionMode)."""
+        self._context_factories.append(factory)
+
+    def keep_lossless(self, t: torch.Tensor, kind: str = "index") -> None:
+        """Store ``t`` (and any view of its storage) losslessly, as ``kind``, whenever it is
+        saved: e.g. the edge weights of a shared adjacency, which must never be quantized.
+        Held weakly: forgetting happens by itself when the storage is freed."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if is_plain_strided(t):
+            ref = storage_ref(t)
+            self._lossless[ref.cdata] = (ref, kind)
+
+    def add_undo(self, undo: Callable[[], None]) -> None:
+        """Register a function that `remove()` calls (in reverse order) to undo a patch."""
+        self._undo.append(undo)
+
+    def remove(self) -> None:
+        """Remove every hook and patch: the model behaves exactly as before `compress_gnn`."""
+        if self._removed:
+            return
+        self._removed = True
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        self._context_factories.clear()
+        self._dedup.clear()
+        if getattr(self.model, "_gact_graph_controller", None) is self:
+            del self.model._gact_graph_controller
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ forward tracking
+    def _enter_forward(self, module, args, kwargs):
+        if self._active is not None:  # re-entrant call of the root inside its own forward
+            return None
+        self._forward_id += 1
+        self._pack_counts = {}
+        self._dedup.clear()
+        self._params = StorageSet(list(self.model.parameters()) + list(self.model.buffers()))
+        self._inputs = StorageSet(_tensors_in((args, kwargs)))
+        self._lossless = {k: v for k, v in self._lossless.items() if not v[0].expired()}
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            for factory in self._context_factories:
+                stack.enter_context(factory())
+        except BaseException:
+            stack.close()
+            raise
+        self._active = stack
+        return None
+
+    def _exit_forward(self, module, args, output):
+        if self._active is not None:
+            stack, self._active = self._active, None
+            stack.close()
+        return None
+
+    def _push_module(self, path: str):
+        def hook(module, args):
+            self._module_stack.append(path)
+
+        return hook
+
+    def _pop_module(self, path: str):
+        def hook(module, args, output):
+            if self._module_stack and self._module_stack[-1] == path:
+                self._module_stack.pop()
+
+        return hook
+
+    # ------------------------------------------------------------------ pack / unpack
+    def bits_for(self, name: str) -> int | None:
+        """Bits the plan gives the tensor ``name`` (None: lossless)."""
+        if self.config.lossless:
+            return None
+        if name in self.plan:
+            return self.plan[name]
+        if self.adapter is not None:  # adaptive: tensors the plan does not cover yet
+            return self.adapter.bits_for(name)
+        return None if self.config.adaptive and self.plan else int(round(self.config.bits))
+
+    def _next_name(self) -> str:
+        path = self._module_stack[-1] if self._module_stack else "<root>"
+        k = self._pack_counts.get(path, 0)
+        self._pack_counts[path] = k + 1
+        return f"{path}#{k}"
+
+    def _pack(self, t: torch.Tensor) -> Stored:
+        if self._records_forward != self._forward_id:  # first save of a new forward
+            self._records_forward = self._forward_id
+            self._records = []
+            self._record_of = {}
+            self._live = []
+        name = self._next_name()
+        if not is_plain_strided(t):
+            stored = Stored(name, "other", t, None, view_bytes(t), view_bytes(t))
+            return self._remember(stored, t)
+        ref = storage_ref(t)
+        key = view_key(t, ref)
+        hit = self._dedup.get(key)
+        if hit is not None:
+            hit_ref, hit_stored = hit[0], hit[1]()
+            if hit_stored is not None and not hit_ref.expired():
+                self._record_of[hit_stored.name]["uses"] += 1
+                return hit_stored
+        stored = self._store(name, t, ref.cdata)
+        self._dedup[key] = (ref, weakref.ref(stored))
+        return self._remember(stored, t)
+
+    def _remember(self, stored: Stored, t: torch.Tensor) -> Stored:
+        rec = stored.record(t.shape, t.dtype)
+        self._records.append(rec)
+        self._record_of[stored.name] = rec
+        self._live.append(weakref.ref(stored))
+        return stored
+
+    def _store(self, name: str, t: torch.Tensor, cdata: int) -> Stored:
+        nbytes = view_bytes(t)
+        if cdata in self._params or is_autocast_param_copy(t, self._params):
+            return Stored(name, "param", t, None, nbytes, 0, t._version)
+        if cdata in self._inputs:
+            return Stored(name, "input", t, None, nbytes, 0, t._version)
+        lossless = self._lossless.get(cdata)
+        if lossless is not None and not lossless[0].expired():
+            return Stored(name, lossless[1], t, None, nbytes, nbytes, t._version)
+        if t.dtype == torch.bool:
+            packed: PackedMask = pack_mask(t)
+            return Stored(name, "mask", packed, None, nbytes, packed.nbytes)
+        if not t.is_floating_point():
+            return Stored(name, "index", t, None, nbytes, nbytes, t._version)
+        bits = self.bits_for(name)
+        if bits is None or bits >= 32 or t.numel() < self.config.min_numel:
+            return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
+        seed = _mix_seed(
+            self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
+        )
+        q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
+        return Stored(name, "activation", q, bits, nbytes, q.nbytes)
+
+    @staticmethod
+    def _unpack(stored: Stored) -> torch.Tensor:
+        return stored.unpack()
+
+    # ------------------------------------------------------------------ training loop API
+    def iterate(self, step_fn: Callable[[], Any] | None = None) -> None:
+        """Call once per training step, after ``optimizer.step()``.
+
+        ``step_fn`` (GACT's API) is a closure that runs forward, ``zero_grad`` and backward; the
+        adaptive planner calls it when it re-estimates sensitivities. Fixed-bit compression
+        needs none.
+        """
+        if self.adapter is not None:
+            self.adapter.maybe_adapt(self, step_fn)
+        self.step += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Exact bytes of the last forward that saved tensors for backward.
+
+        ``orig_bytes``: what autograd would have held (each distinct saved view once, capped at
+        its storage size); ``stored_bytes``: what this controller holds instead. ``param`` and
+        ``input`` tensors are kept by reference and cost nothing extra; ``total`` covers every
+        other kind (activation, index, mask, other). ``live_stored_bytes`` is what is still held
+        right now (zero once backward has released everything).
+        """
+        tensors = [dict(r) for r in self._records]
+        by_kind = {k: {"count": 0, "orig_bytes": 0, "stored_bytes": 0} for k in KINDS}
+        for r in tensors:
+            agg = by_kind[r["kind"]]
+            agg["count"] += 1
+            agg["orig_bytes"] += r["orig_bytes"]
+            agg["stored_bytes"] += r["stored_bytes"]
+        counted = [k for k in KINDS if k not in ("param", "input")]
+        orig = sum(by_kind[k]["orig_bytes"] for k in counted)
+        stored = sum(by_kind[k]["stored_bytes"] for k in counted)
+        live = 0
+        for w in self._live:
+            s = w()
+            if s is not None and s.kind not in ("param", "input"):
+                live += s.stored_bytes
+        return {
+            "step": self.step,
+            "tensors": tensors,
+            "by_kind": by_kind,
+            "total": {
+                "orig_bytes": orig,
+                "stored_bytes": stored,
+                "ratio": (orig / stored) if stored else float("inf") if orig else 1.0,
+            },
+            "live_stored_bytes": live,
+        }
+
+    def report(self) -> str:
+        """A table: every module, the path it ran (graph-aware or generic) and its bytes."""
+        per_module: dict[str, list[int]] = {}
+        for r in self._records:
+            path = r["name"].rsplit("#", 1)[0]
+            agg = per_module.setdefault(path, [0, 0, 0])
+            if r["kind"] in ("param", "input"):
+                continue
+            agg[0] += 1
+            agg[1] += r["orig_bytes"]
+            agg[2] += r["stored_bytes"]
+        rows = [f"{'module':<40} {'path':<14} {'saved':>5} {'orig MB':>10} {'stored MB':>10}"]
+        for path, kind in self.module_paths.items():
+            n, o, s = per_module.get(path, [0, 0, 0])
+            rows.append(f"{path:<40} {kind:<14} {n:>5} {o / 2**20:>10.3f} {s / 2**20:>10.3f}")
+        tot = self.stats()["total"]
+        rows.append(
+            f"{'total':<40} {'':<14} {'':>5} {tot['orig_bytes'] / 2**20:>10.3f} "
+            f"{tot['stored_bytes'] / 2**20:>10.3f}"
+        )
+        if self.adapter is not None:  # bits and sensitivity per tensor
+            rows.append("")
+            rows.append(self.adapter.report(self.plan))
+        return "\n".join(rows)
+
+    def plot_bits(self, path: str) -> str:
+        """Save a bar chart of the adaptive plan (bits and sensitivity per tensor) to ``path``
+        (needs matplotlib)."""
+        from gact_graph.adapt import plot_bits
+
+        return plot_bits(self, path)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "step": self.step,
+            "plan": dict(self.plan),
+            "config": self.config.to_dict(),
+        }
+        if self.adapter is not None:
+            state["adapter"] = self.adapter.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"step", "plan", "config"} - set(state)
+        if missing:
+            raise KeyError(f"gact_graph state_dict lacks {sorted(missing)}")
+        saved_cfg = state["config"]
+        for key in ("bits", "adaptive", "group_size"):
+            if saved_cfg.get(key) != getattr(self.config, key):
+                warnings.warn(
+                    f"gact_graph: loading a state saved with {key}={saved_cfg.get(key)!r} into a "
+                    f"controller with {key}={getattr(self.config, key)!r}",
+                    stacklevel=2,
+                )
+        self.step = int(state["step"])
+        self.plan = dict(state["plan"])
+        if "adapter" in state and self.adapter is not None:
+            self.adapter.load_state_dict(state["adapter"])
+
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples/lists/dicts and PyG-like objects with tensor attributes."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "to_dict") and callable(o.to_dict) and not isinstance(o, nn.Module):
+            with contextlib.suppress(Exception):
+                stack.extend(o.to_dict().values())
+    return out

@@ -1,0 +1,103 @@
+"""Identity and kind of a tensor that autograd saves for backward.
+
+Two saved tensors are the same object to store when they are the same view of the same live
+storage at the same version: then one compressed copy serves both (GACT's "footprint"). Storage
+identity uses a weak reference to the C++ storage, which keeps its address from being reused
+while we look at it but never keeps its memory alive, so a freed-and-reallocated buffer can
+never be mistaken for an alias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "KINDS",
+    "StorageSet",
+    "ViewKey",
+    "is_plain_strided",
+    "storage_ref",
+    "view_key",
+    "view_bytes",
+    "is_autocast_param_copy",
+]
+
+#: What a saved tensor is. ``param`` and ``input`` are held by the model / the caller anyway and
+#: are kept by reference; ``activation`` is float data computed in forward; ``index`` integer
+#: data (edge indices, argmax positions); ``mask`` boolean data; ``other`` whatever we do not
+#: look inside (sparse layouts, tensor subclasses, meta tensors).
+KINDS = ("activation", "index", "mask", "param", "input", "other")
+
+
+class ViewKey(NamedTuple):
+    storage: int  # address of the C++ StorageImpl (kept alive by a StorageWeakRef)
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    version: int
+
+
+def is_plain_strided(t: torch.Tensor) -> bool:
+    """A dense tensor on a real device whose storage we can inspect."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+    )
+
+
+def storage_ref(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def view_key(t: torch.Tensor, ref: StorageWeakRef) -> ViewKey:
+    return ViewKey(
+        ref.cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version
+    )
+
+
+def view_bytes(t: torch.Tensor) -> int:
+    """Bytes that keeping ``t`` alive costs: its elements, but never more than its storage
+    (an expanded view of a small tensor costs only the small tensor)."""
+    n = t.numel() * t.element_size()
+    if is_plain_strided(t):
+        n = min(n, t.untyped_storage().nbytes())
+    return n
+
+
+class StorageSet:
+    """A set of storages held weakly (e.g. the parameters of a model)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = ()) -> None:
+        self._refs: dict[int, StorageWeakRef] = {}
+        for t in tensors:
+            self.add(t)
+
+    def add(self, t: torch.Tensor) -> None:
+        if isinstance(t, torch.Tensor) and is_plain_strided(t):
+            ref = storage_ref(t)
+            self._refs[ref.cdata] = ref
+
+    def __contains__(self, cdata: int) -> bool:
+        ref = self._refs.get(cdata)
+        return ref is not None and not ref.expired()
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+def is_autocast_param_copy(t: torch.Tensor, params: StorageSet) -> bool:
+    """True for the fp16/bf16 copy of a parameter that autocast makes (and caches) in forward."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    for nxt, _ in fn.next_functions:
+        var = getattr(nxt, "variable", None)
+        if var is not None and is_plain_strided(var) and storage_ref(var).cdata in params:
+            return True
+    return False
