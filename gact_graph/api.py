@@ -9,6 +9,7 @@ from torch import nn
 from gact_graph.adapt import attach_adapter
 from gact_graph.config import CompressionConfig
 from gact_graph.controller import Controller
+from gact_graph.levels import install_level
 from gact_graph.ops import install_pointwise_ops
 from gact_graph.sparse import install_sparse_paths
 
@@ -59,6 +60,8 @@ def compress_gnn(
         install_sparse_paths(ctl)
     if config.pointwise and config.opt_level != "L0":
         install_pointwise_ops(ctl)
+    if config.opt_level in ("L2", "CB1"):
+        install_level(ctl)  # L2: swap to pinned CPU memory; CB1: compressed checkpointing
     if config.adaptive and not config.lossless:
         attach_adapter(ctl)  # bits per tensor from measured sensitivity (gact_graph.adapt)
     return ctl

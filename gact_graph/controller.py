@@ -143,6 +143,9 @@ class Controller:
         #: per-step salt mixed into seeds (the adaptive estimator re-seeds one tensor with it).
         self.seed_salt: dict[str, int] = {}
         self.adapter = None  # set by gact_graph.adapt when adaptive=True
+        #: ``fn(stored) -> Stored`` applied to every newly stored tensor (opt level L2 wraps
+        #: payloads to swap them to CPU; see `gact_graph.levels`).
+        self.payload_wrapper: Callable[[Stored], Stored] | None = None
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._undo: list[Callable[[], None]] = []
@@ -225,6 +228,8 @@ class Controller:
     def _enter_forward(self, module, args, kwargs):
         if self._active is not None:  # re-entrant call of the root inside its own forward
             return None
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so install nothing
+            return None
         self._forward_id += 1
         self._pack_counts = {}
         self._dedup.clear()
@@ -297,6 +302,8 @@ class Controller:
                 self._record_of[hit_stored.name]["uses"] += 1
                 return hit_stored
         stored = self._store(name, t, ref.cdata)
+        if self.payload_wrapper is not None:
+            stored = self.payload_wrapper(stored)
         self._dedup[key] = (ref, weakref.ref(stored))
         return self._remember(stored, t)
 

@@ -1,0 +1,588 @@
+r"""Adaptive bit allocation (GACT, Liu et al., ICML 2022, Sec. 4): bits per saved tensor from
+its measured gradient sensitivity, under a memory budget.
+
+**Objective.** With tensor :math:`l` stored at :math:`b_l` bits, compression adds
+:math:`\sum_l c_l\, S(b_l)` to the variance of the gradient, :math:`S(b) = (2^b - 1)^{-2}`
+(``S(32) = 0``: kept as is). :func:`allocate_bits` minimizes it over a ladder of bit widths.
+
+**Budget** (in bits). For an average of ``bits`` bits per element, the budget is what storing
+*every* compressible tensor at exactly ``bits`` bits would cost, group metadata included:
+
+.. math::
+    B = \sum_l \big(\mathrm{bits} \cdot D_l + 8\, M_l\big),
+
+:math:`D_l` the elements the codes cover (the padded element count of the tensor's
+:func:`~gact_graph.quantize.group_layout`), :math:`M_l` the bytes of its per-group metadata
+(4 per group). A plan costs :math:`\sum_l \mathrm{cost}_l(b_l)` with
+:math:`\mathrm{cost}_l(b) = b D_l + 8 M_l` for ``b < 32`` and :math:`32 D_l` for 32 (no
+metadata), i.e. exactly ``8 * QTensor.nbytes``; so fixed ``bits=2`` and adaptive ``bits=2`` hold
+the same bytes, and a fractional average (``bits=3``) mixes widths. "Compressible" means what
+the controller would quantize: float activations of at least ``min_numel`` elements that the
+graph-aware paths do not keep lossless.
+
+**Solver.** Exact dynamic programming over the budget in units of the gcd of all costs
+(a multiple-choice knapsack) whenever the table is small (``L * states <= 2**25``), otherwise
+the same DP on costs rounded *up* to a coarser unit (so the budget still holds), polished by
+pairwise exchanges with the true costs. Either way the
+slack left is then filled by the upgrade with the largest variance reduction per bit that still
+fits, until none fits: the budget is never exceeded, no single upgrade fits in what remains, and
+on instances small enough to brute-force the result is optimal.
+
+**Adapter.** :class:`Adapter` (``ctl.adapter`` when ``adaptive=True``) keeps the sensitivity
+estimates (an EMA over re-estimations) and the plan, and decides when to re-estimate; the
+estimates come from :class:`gact_graph.sensitivity.SensitivityProbe`, which rides along the
+user's own backward pass (no extra passes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from functools import reduce
+from typing import Any
+
+import numpy as np
+
+from gact_graph.quantize import META_BYTES_PER_GROUP, group_layout
+from gact_graph.sensitivity import S, SensitivityProbe, spearman, two_seed_sensitivity
+
+__all__ = [
+    "Adapter",
+    "attach_adapter",
+    "DEFAULT_LADDER",
+    "allocate_bits",
+    "budget_bits",
+    "plan_cost_bits",
+    "plot_bits",
+    "tensor_costs",
+]
+
+#: Bit widths a plan may use: what the quantizer packs, and 32 (kept as is).
+DEFAULT_LADDER = (1, 2, 4, 8, 32)
+_ALLOWED = (1, 2, 4, 8, 32)
+_DP_CELLS = 1 << 25
+
+
+# ---------------------------------------------------------------------------------- costs
+def tensor_costs(shape: Sequence[int], group_size: int = 256) -> tuple[int, int]:
+    """``(D, meta_bytes)`` of a tensor of ``shape``: elements its codes cover (padded to whole
+    groups) and bytes of its group metadata, as :class:`~gact_graph.quantize.QTensor` holds
+    them."""
+    lay = group_layout(shape, group_size)
+    return lay.padded_numel, lay.num_groups * META_BYTES_PER_GROUP
+
+
+def _cost(bits: int, d: int, meta: int) -> int:
+    return 32 * d if bits >= 32 else bits * d + 8 * meta
+
+
+def budget_bits(avg_bits: float, D: Sequence[int], meta_bytes: Sequence[int] | None = None) -> int:
+    """The budget of an average of ``avg_bits`` bits per element: ``floor(sum(avg_bits * D_l +
+    8 * meta_bytes_l))``, the cost of every tensor at ``avg_bits`` with its metadata."""
+    meta = [0] * len(D) if meta_bytes is None else list(meta_bytes)
+    return int(math.floor(sum(avg_bits * d + 8 * m for d, m in zip(D, meta)) + 1e-9))
+
+
+def plan_cost_bits(bits: Sequence[int], D: Sequence[int], meta_bytes: Sequence[int] | None = None) -> int:
+    """Bits a plan costs (codes plus metadata; 32 means kept as is, no metadata)."""
+    meta = [0] * len(D) if meta_bytes is None else list(meta_bytes)
+    return sum(_cost(b, d, m) for b, d, m in zip(bits, D, meta))
+
+
+def _check_ladder(ladder: Sequence[int]) -> tuple[int, ...]:
+    lad = tuple(sorted(set(int(b) for b in ladder)))
+    if not lad or any(b not in _ALLOWED for b in lad):
+        raise ValueError(f"ladder must be a non-empty subset of {_ALLOWED}, got {tuple(ladder)}")
+    return lad
+
+
+# ---------------------------------------------------------------------------------- solver
+def allocate_bits(
+    c: Sequence[float],
+    D: Sequence[int],
+    budget_bits: float,
+    ladder: Sequence[int] = DEFAULT_LADDER,
+    meta_bytes: Sequence[int] | None = None,
+    *,
+    max_cells: int = _DP_CELLS,
+) -> list[int]:
+    r"""Bits per tensor minimizing :math:`\sum_l c_l S(b_l)` subject to
+    :math:`\sum_l \mathrm{cost}_l(b_l) \le` ``budget_bits`` (see the module docstring).
+
+    Args:
+        c: sensitivities :math:`c_l \ge 0`.
+        D: elements the codes of each tensor cover (use :func:`tensor_costs`).
+        budget_bits: the budget in bits (use :func:`budget_bits`).
+        ladder: allowed bit widths, a subset of ``(1, 2, 4, 8, 32)``.
+        meta_bytes: group-metadata bytes of each tensor (0 if omitted); counted for every
+            width below 32.
+        max_cells: size limit of the exact DP table (``L * budget states``); larger problems
+            run the DP on costs rounded up to a coarser unit.
+
+    Returns:
+        One ladder value per tensor. Raises ``ValueError`` if even the cheapest plan does not
+        fit.
+    """
+    lad = _check_ladder(ladder)
+    n = len(c)
+    if len(D) != n or (meta_bytes is not None and len(meta_bytes) != n):
+        raise ValueError("c, D and meta_bytes must have one entry per tensor")
+    meta = [0] * n if meta_bytes is None else [int(m) for m in meta_bytes]
+    cs = [float(v) for v in c]
+    if any(not math.isfinite(v) or v < 0 for v in cs):
+        raise ValueError("sensitivities must be finite and >= 0")
+    if n == 0:
+        return []
+    Ds = [int(d) for d in D]
+    costs = [[_cost(b, d, m) for b in lad] for d, m in zip(Ds, meta)]
+    vals = [[cl * S(b) for b in lad] for cl in cs]
+    base = sum(min(row) for row in costs)
+    budget = int(math.floor(budget_bits))
+    if budget < base:
+        raise ValueError(
+            f"budget of {budget_bits} bits is below the cheapest plan ({base} bits)"
+        )
+    inc = [[x - min(row) for x in row] for row in costs]  # all >= 0
+    choice, exact = _dp(vals, inc, budget - base, max_cells)
+    _fill_slack(choice, vals, costs, budget)
+    if not exact:
+        _exchange(choice, vals, costs, budget)
+    return [lad[j] for j in choice]
+
+
+def _dp(vals, inc, slack: int, max_cells: int) -> list[int]:
+    """Multiple-choice knapsack by DP over capacity (``f[w]``: best value with extra cost
+    <= ``w`` units); exact when the unit is the gcd of all increments."""
+    n, m = len(vals), len(vals[0])
+    unit = reduce(math.gcd, [x for row in inc for x in row if x > 0], 0) or 1
+    states = slack // unit + 1
+    exact = n * states <= max_cells
+    if not exact:  # coarse DP: round costs up, so the budget still holds
+        unit = max(unit, -(-slack // max(1, max_cells // n - 1)))
+        states = slack // unit + 1
+    w = [[-(-x // unit) for x in row] for row in inc]
+    f = np.zeros(states, dtype=np.float64)
+    picks = np.zeros((n, states), dtype=np.int8)
+    for i in range(n):
+        best = np.full(states, np.inf)
+        arg = np.zeros(states, dtype=np.int8)
+        for j in range(m):
+            wj = w[i][j]
+            if wj >= states:
+                continue
+            cand = np.full(states, np.inf)
+            cand[wj:] = f[: states - wj] + vals[i][j]
+            better = cand < best
+            best = np.where(better, cand, best)
+            arg[better] = j
+        f, picks[i] = best, arg
+    choice = [0] * n
+    cap = states - 1
+    for i in range(n - 1, -1, -1):
+        j = int(picks[i, cap])
+        choice[i] = j
+        cap -= w[i][j]
+    return choice, exact
+
+
+def _exchange(choice: list[int], vals, costs, budget: int, max_rounds: int = 20) -> None:
+    """Local search after the coarse DP: move two tensors at once (one down, one up, or any
+    pair of rungs) while that lowers the objective within the true budget."""
+    n, m = len(choice), len(vals[0])
+    spent = sum(costs[i][j] for i, j in enumerate(choice))
+    for _ in range(max_rounds):
+        improved = False
+        for i in range(n):
+            for k in range(n):
+                if i == k:
+                    continue
+                ji, jk = choice[i], choice[k]
+                for a in range(m):
+                    for b in range(m):
+                        if a == ji and b == jk:
+                            continue
+                        extra = costs[i][a] - costs[i][ji] + costs[k][b] - costs[k][jk]
+                        if spent + extra > budget:
+                            continue
+                        gain = vals[i][ji] + vals[k][jk] - vals[i][a] - vals[k][b]
+                        if gain > 1e-12 * (abs(vals[i][ji]) + abs(vals[k][jk])) and gain > 0:
+                            choice[i], choice[k] = a, b
+                            spent += extra
+                            ji, jk = a, b
+                            improved = True
+        _fill_slack(choice, vals, costs, budget)
+        spent = sum(costs[i][j] for i, j in enumerate(choice))
+        if not improved:
+            return
+
+
+def _fill_slack(choice: list[int], vals, costs, budget: int) -> None:
+    """Upgrade while some single upgrade fits: best variance reduction per bit first."""
+    m = len(vals[0]) if vals else 0
+    spent = sum(costs[i][j] for i, j in enumerate(choice))
+    while True:
+        best, best_key = None, None
+        for i, j in enumerate(choice):
+            for k in range(j + 1, m):
+                extra = costs[i][k] - costs[i][j]
+                if spent + extra > budget:
+                    continue
+                gain = vals[i][j] - vals[i][k]
+                key = (gain / extra if extra > 0 else float("inf"), -extra, -i)
+                if best_key is None or key > best_key:
+                    best, best_key = (i, k, extra), key
+        if best is None:
+            return
+        i, k, extra = best
+        choice[i] = k
+        spent += extra
+
+
+# ---------------------------------------------------------------------------------- adapter
+class Adapter:
+    r"""Chooses bits per tensor for a `Controller` from measured sensitivity (``adaptive=True``).
+
+    **Estimates.** The first training step that saves tensors is probed (no extra pass; see
+    :class:`~gact_graph.sensitivity.SensitivityProbe`), and at every later re-estimation the next
+    step is. Each estimate updates an exponential moving average of :math:`c_l` per tensor
+    name (weight ``ema`` on the old value). With ``estimator="two_seed"`` GACT's Algorithm 1
+    runs instead, which needs ``step_fn`` and costs two passes per tensor.
+
+    **Plan.** After each estimate, :func:`allocate_bits` spends the budget of an average of
+    ``config.bits`` bits. Before the first estimate, every tensor gets the widest quantizer
+    width not above the average (e.g. 2 for ``bits=3``): it never exceeds the budget. Tensors
+    first seen after a plan was made get that width too until the next estimate.
+
+    **Schedule.** Without ``config.adapt_interval``, re-estimation starts every step and the
+    interval doubles (up to ``max_interval``) while the estimates are stable (rank correlation
+    with the previous estimate >= 0.9 and at most 5 % of the elements change width), and
+    halves when they are not. ``adapt_interval=k`` re-estimates every ``k`` steps.
+
+    **Alert.** At each estimate, the compression variance of the current plan,
+    :math:`V_q = \sum_l c_l S(b_l)`, is compared with the mean square of the gradient of the
+    probed step (signal plus sampling noise plus compression noise). If it exceeds
+    ``alert_share`` of it, compression noise dominates the gradient and a warning (once) says
+    by how much.
+    """
+
+    def __init__(
+        self,
+        config,
+        ladder: Sequence[int] = DEFAULT_LADDER,
+        ema: float = 0.5,
+        max_interval: int = 512,
+        estimator: str = "probe",
+        alert_share: float = 0.5,
+    ) -> None:
+        if config.bits is None:
+            raise ValueError("adaptive compression needs an average bits budget, not None")
+        if estimator not in ("probe", "two_seed"):
+            raise ValueError(f"estimator must be 'probe' or 'two_seed', got {estimator!r}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {ema}")
+        self.avg_bits = float(config.bits)
+        self.group_size = int(config.group_size)
+        self.min_numel = int(config.min_numel)
+        self.seed = int(config.seed)
+        self.fixed_interval = config.adapt_interval
+        self.ladder = _check_ladder(ladder)
+        if self.ladder[0] > self.avg_bits:
+            raise ValueError(f"ladder {self.ladder} has nothing at or below bits={self.avg_bits}")
+        self.ema = float(ema)
+        self.max_interval = int(max_interval)
+        self.estimator = estimator
+        self.alert_share = float(alert_share)
+        #: width of tensors not (yet) in the plan: the widest quantizer width <= the average
+        self.default_bits = max(b for b in self.ladder if b <= self.avg_bits and b < 32)
+        #: name -> (shape, D, meta bytes) of every tensor the plan covers
+        self.tensors: dict[str, tuple[tuple[int, ...], int, int]] = {}
+        #: name -> EMA of the sensitivity c_l
+        self.c: dict[str, float] = {}
+        self.n_estimates = 0
+        self.interval = 1 if self.fixed_interval is None else int(self.fixed_interval)
+        self.next_estimate = 0  # step whose forward/backward is probed next
+        self.last_share: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self.warned: set[str] = set()
+        self.probe_seconds = 0.0
+        self.train_seconds = 0.0
+        self._last_call: float | None = None
+        self._probe: SensitivityProbe | None = None
+        self._ctl = None
+
+    # ---------------------------------------------------------------- wiring
+    def attach(self, ctl) -> None:
+        """Called once by `compress_gnn`: arm the probe for the very first step."""
+        self._ctl = ctl
+        if self.estimator == "probe" and self.next_estimate <= ctl.step:
+            self._arm(ctl)
+
+    def _arm(self, ctl) -> None:
+        if self._probe is None:
+            self._probe = SensitivityProbe(ctl, self.min_numel, seed=self.seed + self.n_estimates)
+            self._probe.arm()
+
+    def detach(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    def bits_for(self, name: str) -> int:
+        """Width of a tensor the plan does not cover yet."""
+        return self.default_bits
+
+    # ---------------------------------------------------------------- per step
+    def maybe_adapt(self, ctl, step_fn: Callable[[], Any] | None = None) -> None:
+        """Called by ``ctl.iterate(step_fn)`` once per step, after the optimizer step."""
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self.train_seconds += now - self._last_call
+        try:
+            self._observe(ctl)
+            if self.estimator == "two_seed":
+                if ctl.step >= self.next_estimate:
+                    if step_fn is None:
+                        self._warn_once(
+                            "step_fn",
+                            "gact_graph: estimator='two_seed' needs ctl.iterate(step_fn) to "
+                            "re-estimate sensitivities; keeping the current plan",
+                        )
+                    else:
+                        t0 = time.perf_counter()
+                        est = two_seed_sensitivity(ctl, step_fn, names=list(self.tensors))
+                        self.probe_seconds += time.perf_counter() - t0
+                        self._update(ctl, est, grad_sq=None)
+                return
+            probe = self._probe
+            if probe is not None and probe.hooked and probe.ran:
+                est = probe.result()
+                self.probe_seconds += probe.seconds
+                failed = dict(probe.failed)
+                grad_sq = probe.grad_sq
+                probe.close()
+                self._probe = None
+                if failed:
+                    self._warn_once(
+                        "failed",
+                        f"gact_graph: could not probe the sensitivity of {sorted(failed)} "
+                        f"({next(iter(failed.values()))}); they keep their current bits",
+                    )
+                self._update(ctl, est, grad_sq=grad_sq, failed=set(failed))
+            elif probe is not None and probe.hooked:  # its forward had no backward: retry
+                probe.close()
+                self._probe = None
+            if self._probe is None and ctl.step + 1 >= self.next_estimate:
+                self._arm(ctl)
+        finally:
+            self._last_call = time.perf_counter()
+
+    def _observe(self, ctl) -> None:
+        """Add the tensors the last forward quantized (or kept at a planned 32 bits)."""
+        for r in ctl.stats()["tensors"]:
+            name = r["name"]
+            if r["kind"] != "activation" or name in self.tensors:
+                continue
+            if r["bits"] is None and (ctl.plan.get(name) or 0) < 32:
+                continue  # kept lossless by a graph-aware path or below min_numel
+            shape = tuple(r["shape"])
+            d, meta = tensor_costs(shape, self.group_size)
+            self.tensors[name] = (shape, d, meta)
+
+    def _update(self, ctl, est: dict[str, float], grad_sq: float | None, failed=()) -> None:
+        prev = dict(self.c)
+        for name, val in est.items():
+            if name not in self.tensors:
+                continue
+            old = self.c.get(name)
+            self.c[name] = val if old is None else self.ema * old + (1 - self.ema) * val
+        self.n_estimates += 1
+        old_plan = {n: ctl.plan.get(n, self.default_bits) for n in self.tensors}
+        plan = self.make_plan()
+        ctl.plan.update(plan)
+        # compression share of the gradient's mean square, under the plan of the probed step
+        v_q = sum(self.c.get(n, 0.0) * S(old_plan[n]) for n in self.tensors)
+        share = None
+        if grad_sq is not None and grad_sq > 0:
+            share = v_q / grad_sq
+            self.last_share = share
+            if share > self.alert_share:
+                self._warn_once(
+                    "alert",
+                    f"gact_graph: activation compression dominates the gradient noise: its "
+                    f"variance is {share:.3g}x the gradient's mean square (V_q={v_q:.3g}, "
+                    f"E|g|^2={grad_sq:.3g}, average {self.avg_bits:g} bits); raise bits",
+                )
+        stable = self._stable(prev, old_plan, plan)
+        if self.fixed_interval is None:
+            if stable:
+                self.interval = min(self.max_interval, self.interval * 2)
+            elif self.n_estimates > 1:
+                self.interval = max(1, self.interval // 2)
+        self.next_estimate = ctl.step + self.interval
+        self.history.append(
+            {"step": ctl.step, "share": share, "v_q": v_q, "grad_sq": grad_sq,
+             "interval": self.interval, "stable": stable}
+        )
+        del self.history[:-64]
+
+    def _stable(self, prev: dict[str, float], old_plan, plan) -> bool:
+        if not prev:
+            return False
+        common = [n for n in self.c if n in prev]
+        if len(common) >= 3:
+            rho = spearman([prev[n] for n in common], [self.c[n] for n in common])
+            if not (rho >= 0.9):
+                return False
+        total = sum(self.tensors[n][1] for n in plan) or 1
+        changed = sum(self.tensors[n][1] for n in plan if plan[n] != old_plan.get(n))
+        return changed <= 0.05 * total
+
+    # ---------------------------------------------------------------- planning
+    def budget(self) -> int:
+        """Budget in bits of the tensors the plan covers (see the module docstring)."""
+        D = [t[1] for t in self.tensors.values()]
+        meta = [t[2] for t in self.tensors.values()]
+        return budget_bits(self.avg_bits, D, meta)
+
+    def make_plan(self) -> dict[str, int]:
+        """Allocate the budget over the known tensors from the current estimates.
+
+        Tensors without an estimate count as sensitive as the median estimate per element.
+        """
+        names = list(self.tensors)
+        if not names:
+            return {}
+        D = [self.tensors[n][1] for n in names]
+        meta = [self.tensors[n][2] for n in names]
+        per_el = sorted(self.c[n] / max(1, self.tensors[n][1]) for n in names if n in self.c)
+        fill = per_el[len(per_el) // 2] if per_el else 1.0
+        c = [self.c[n] if n in self.c else fill * d for n, d in zip(names, D)]
+        bits = allocate_bits(c, D, self.budget(), self.ladder, meta)
+        return dict(zip(names, bits))
+
+    # ---------------------------------------------------------------- misc
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    def overhead(self) -> float:
+        """Time spent estimating sensitivities as a fraction of the time between ``iterate``
+        calls (the training time, estimation included)."""
+        return self.probe_seconds / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    def rows(self, plan: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        plan = plan if plan is not None else (self._ctl.plan if self._ctl is not None else {})
+        out = []
+        for name, (shape, d, meta) in self.tensors.items():
+            b = plan.get(name, self.default_bits)
+            c = self.c.get(name)
+            out.append({
+                "name": name, "shape": shape, "bits": b, "c": c,
+                "var": None if c is None else c * S(b), "bytes": _cost(b, d, meta) // 8,
+            })
+        return out
+
+    def report(self, plan: dict[str, int] | None = None) -> str:
+        """A table: every planned tensor, its bits, sensitivity and share of the variance."""
+        rows = self.rows(plan)
+        total_var = sum(r["var"] or 0.0 for r in rows) or 1.0
+        lines = [
+            f"adaptive plan: average {self.avg_bits:g} bits, {self.n_estimates} estimates, "
+            f"next at step {self.next_estimate}, estimation overhead {100 * self.overhead():.1f}%"
+            + ("" if self.last_share is None else f", compression share {self.last_share:.3g}"),
+            f"{'tensor':<40} {'shape':<18} {'bits':>4} {'c_l':>10} {'c_l*S(b)':>10} "
+            f"{'var %':>6} {'KB':>9}",
+        ]
+        for r in rows:
+            c = "-" if r["c"] is None else f"{r['c']:.3e}"
+            v = "-" if r["var"] is None else f"{r['var']:.3e}"
+            pct = "-" if r["var"] is None else f"{100 * r['var'] / total_var:.1f}"
+            lines.append(
+                f"{r['name']:<40} {str(r['shape']):<18} {r['bits']:>4} {c:>10} {v:>10} "
+                f"{pct:>6} {r['bytes'] / 1024:>9.1f}"
+            )
+        used = sum(_cost(r["bits"], *self.tensors[r["name"]][1:]) for r in rows)
+        lines.append(f"budget {self.budget() / 8 / 1024:.1f} KB, plan {used / 8 / 1024:.1f} KB")
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "avg_bits": self.avg_bits,
+            "ladder": list(self.ladder),
+            "tensors": {n: [list(s), d, m] for n, (s, d, m) in self.tensors.items()},
+            "c": dict(self.c),
+            "n_estimates": self.n_estimates,
+            "interval": self.interval,
+            "next_estimate": self.next_estimate,
+            "last_share": self.last_share,
+            "warned": sorted(self.warned),
+            "probe_seconds": self.probe_seconds,
+            "train_seconds": self.train_seconds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tensors = {n: (tuple(s), int(d), int(m)) for n, (s, d, m) in state["tensors"].items()}
+        self.c = {n: float(v) for n, v in state["c"].items()}
+        self.n_estimates = int(state["n_estimates"])
+        self.interval = int(state["interval"])
+        self.next_estimate = int(state["next_estimate"])
+        self.last_share = state.get("last_share")
+        self.warned = set(state.get("warned", ()))
+        self.probe_seconds = float(state.get("probe_seconds", 0.0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        # a probe armed for a step the resumed run has already passed must not linger
+        if self._probe is not None and self._ctl is not None and self.next_estimate > self._ctl.step:
+            self._probe.close()
+            self._probe = None
+
+
+#: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads
+ADAPTER_OPTIONS = ("ladder", "ema", "max_interval", "estimator", "alert_share")
+
+
+def attach_adapter(ctl) -> Adapter:
+    """Give ``ctl`` an :class:`Adapter` built from its config (``compress_gnn`` does this when
+    ``adaptive=True``); ``ctl.remove()`` detaches it."""
+    opts = {k: ctl.config.extra[k] for k in ADAPTER_OPTIONS if k in ctl.config.extra}
+    adapter = Adapter(ctl.config, **opts)
+    ctl.adapter = adapter
+    ctl.add_undo(adapter.detach)
+    adapter.attach(ctl)
+    return adapter
+
+
+def plot_bits(ctl, path: str) -> str:
+    """Save a bar chart of bits and sensitivity per tensor of ``ctl``'s adaptive plan."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # optional dependency
+        raise ImportError(
+            "plot_bits needs matplotlib: pip install matplotlib (or gact_graph[plot])"
+        ) from exc
+    adapter = ctl.adapter
+    if adapter is None:
+        raise RuntimeError("plot_bits needs an adaptive controller (compress_gnn(adaptive=True))")
+    rows = adapter.rows(ctl.plan)
+    names = [r["name"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.35 * len(rows) + 2), 6), sharex=True)
+    ax1.bar(x, [r["bits"] for r in rows], color="tab:blue")
+    ax1.set_ylabel("bits")
+    ax1.set_yscale("log", base=2)
+    ax1.set_title(f"adaptive plan, average {adapter.avg_bits:g} bits")
+    ax2.bar(x, [r["c"] or 0.0 for r in rows], color="tab:orange")
+    ax2.set_ylabel("sensitivity c_l")
+    if any((r["c"] or 0) > 0 for r in rows):
+        ax2.set_yscale("log")
+    ax2.set_xticks(x)
+    ax2.set_xticklabels(names, rotation=90, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,156 @@
+"""Preprocessing shared by every loader: undirected coalesced edges, split masks, task metadata,
+the cached GCN-normalized adjacency, and the clear offline error for missing files."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+__all__ = [
+    "DatasetNotFoundError",
+    "default_root",
+    "require_files",
+    "undirected_coalesced",
+    "index_to_mask",
+    "finalize",
+    "gcn_normalized_adjacency",
+    "normalized_adjacency",
+]
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A real dataset's files are not on disk. Nothing is downloaded: the message lists the
+    files to put where."""
+
+
+def default_root() -> str:
+    """Where datasets live when ``root`` is not given: ``$GACT_GRAPH_DATA`` or ``./data``."""
+    return os.environ.get("GACT_GRAPH_DATA", "data")
+
+
+def require_files(dataset: str, base: str, files: Iterable[str], hint: str) -> None:
+    """Raise :class:`DatasetNotFoundError` unless every ``base/<file>`` exists.
+
+    Called before a PyG/OGB dataset object is built, because those classes start a download
+    (OGB even asks on stdin) as soon as a file is missing.
+    """
+    files = list(files)
+    missing = [f for f in files if not os.path.isfile(os.path.join(base, f))]
+    if missing:
+        listing = "\n".join(f"  {os.path.join(base, f)}" for f in files)
+        absent = ", ".join(missing)
+        raise DatasetNotFoundError(
+            f"{dataset}: missing {absent} under {base!r}. Downloads are disabled; place the "
+            f"dataset's files like this:\n{listing}\n{hint}"
+        )
+
+
+def undirected_coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
+    """Both directions of every edge, sorted by (row, col), duplicates removed.
+
+    Works on one int64 key per edge (``row * N + col``) instead of PyG's ``to_undirected``
+    so that graphs with 100M+ edges fit: one key array and its sorted unique copy.
+    """
+    row, col = edge_index[0].long(), edge_index[1].long()
+    keys = torch.empty(2 * row.numel(), dtype=torch.long)
+    torch.add(row * num_nodes, col, out=keys[: row.numel()])
+    torch.add(col * num_nodes, row, out=keys[row.numel() :])
+    return keys_to_edge_index(keys, num_nodes)
+
+
+def keys_to_edge_index(keys: Tensor, num_nodes: int) -> Tensor:
+    """Sorted unique ``row * N + col`` keys back to a coalesced ``[2, E]`` edge index."""
+    keys = torch.unique(keys, sorted=True)
+    return torch.stack([torch.div(keys, num_nodes, rounding_mode="floor"), keys % num_nodes])
+
+
+def index_to_mask(index: Tensor, size: int) -> Tensor:
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[index] = True
+    return mask
+
+
+def finalize(
+    data: Data,
+    *,
+    name: str,
+    num_classes: int,
+    multilabel: bool,
+    metric: str,
+    make_undirected: bool = True,
+) -> Data:
+    """Bring a loaded graph to the form trainers expect.
+
+    ``edge_index`` undirected and coalesced; ``y`` a ``[N]`` int64 class vector, or ``[N, L]``
+    float {0, 1} for multi-label tasks; boolean ``train/val/test_mask``; and the metadata
+    ``name``, ``num_classes``, ``multilabel``, ``metric`` as plain attributes.
+    """
+    n = data.num_nodes
+    if make_undirected:
+        data.edge_index = undirected_coalesced(data.edge_index, n)
+    data.x = data.x.float()
+    y = data.y
+    if multilabel:
+        data.y = y.float()
+    else:
+        data.y = (y.view(-1) if y.dim() > 1 else y).long()
+    data.name = name
+    data.num_classes = int(num_classes)
+    data.multilabel = bool(multilabel)
+    data.metric = metric
+    return data
+
+
+def gcn_normalized_adjacency(
+    edge_index: Tensor,
+    num_nodes: int,
+    edge_weight: Tensor | None = None,
+    add_self_loops: bool = True,
+) -> Tensor:
+    r"""``D^{-1/2} (A + I) D^{-1/2}`` as a ``torch.sparse_csr`` tensor (row = target node).
+
+    Matches :func:`torch_geometric.nn.conv.gcn_conv.gcn_norm` for an undirected graph, so
+    ``GCNConv(normalize=False)`` on it equals ``GCNConv()`` on ``edge_index``.
+    """
+    row, col = edge_index[0], edge_index[1]
+    if edge_weight is None:
+        edge_weight = torch.ones(row.numel(), dtype=torch.float, device=row.device)
+    if add_self_loops:
+        # Nodes that already carry a self-loop keep it (as PyG's add_remaining_self_loops).
+        keep = row != col
+        loop = torch.arange(num_nodes, device=row.device)
+        loop_weight = torch.ones(num_nodes, dtype=edge_weight.dtype, device=row.device)
+        existing = ~keep
+        loop_weight[row[existing]] = edge_weight[existing]
+        row = torch.cat([row[keep], loop])
+        col = torch.cat([col[keep], loop])
+        edge_weight = torch.cat([edge_weight[keep], loop_weight])
+    deg = torch.zeros(num_nodes, dtype=edge_weight.dtype, device=row.device)
+    deg.scatter_add_(0, col, edge_weight)
+    dinv = deg.pow(-0.5)
+    dinv.masked_fill_(torch.isinf(dinv), 0.0)
+    value = dinv[row] * edge_weight * dinv[col]
+    # Row of the matrix is the target (col of edge_index): out = A_hat @ x aggregates sources.
+    perm = torch.argsort(col * num_nodes + row)
+    crow = torch.zeros(num_nodes + 1, dtype=torch.long, device=row.device)
+    crow[1:] = torch.cumsum(torch.bincount(col, minlength=num_nodes), 0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(
+            crow, row[perm], value[perm], (num_nodes, num_nodes), check_invariants=False
+        )
+
+
+def normalized_adjacency(data: Data) -> Tensor:
+    """``data.adj_t``: the GCN-normalized adjacency of ``data``, computed on first request and
+    cached on the object (``edge_index`` stays the primary format)."""
+    adj = getattr(data, "adj_t", None)
+    if adj is None:
+        adj = gcn_normalized_adjacency(data.edge_index, data.num_nodes)
+        data.adj_t = adj
+    return adj

@@ -1,0 +1,262 @@
+r"""Per-group stochastic-rounding quantization of activations (ActNN / GACT style).
+
+A tensor ``x`` is viewed as a 2-D matrix ``(R, C)`` with ``C = x.shape[-1]`` (a 1-D tensor as
+``(N, 1)``, a 0-dim tensor as ``(1, 1)``) and cut into groups that follow rows
+(:func:`group_layout`). Each group of ``g`` elements (``g`` a multiple of 8) stores
+``b``-bit codes, packed densely (:mod:`gact_graph.bitpack`), plus two bf16 numbers:
+
+* ``lo_b``: the group minimum rounded *down* to bf16;
+* ``scale_b``: :math:`(\mathrm{hi} - \mathrm{lo}_b) / (2^b - 1)` rounded *up* to bf16 (and
+  bumped one bf16 step more if fp32 rounding left :math:`\mathrm{lo}_b + (2^b-1)\,\mathrm{scale}_b`
+  below ``hi``), so every element lies inside the representable range
+  :math:`[\mathrm{lo}_b,\ \mathrm{lo}_b + (2^b-1)\,\mathrm{scale}_b]` and clamping never biases.
+
+Quantization is stochastic rounding,
+
+.. math::
+    q = \mathrm{clamp}\big(\lfloor (x - \mathrm{lo}_b) / \mathrm{scale}_b + u \rfloor,
+    \ 0,\ 2^b - 1\big), \qquad u \sim U[0, 1),
+
+with ``u`` from a counter-based hash of ``(seed, element offset)``
+(:mod:`gact_graph.kernels.rng`), and dequantization is :math:`\mathrm{lo}_b + q\,\mathrm{scale}_b`
+in fp32, cast to the input dtype. It is unbiased, :math:`E[\hat x] = x` (up to ``u`` having
+24 bits and the final cast to fp16/bf16), with per-element variance
+:math:`\mathrm{scale}_b^2\, f (1 - f) \le \mathrm{scale}_b^2 / 4`, ``f`` the fractional part.
+The product ``q * scale_b`` is exact in fp32 (8-bit integer times 8-bit bf16 significand), so
+fused and unfused multiply-add give the same bits.
+
+Special groups:
+
+* **Constant groups** (``hi == lo``) come back *exactly*: the fp32 value ``v`` is split over the
+  metadata, ``lo`` holding the top 16 bits of ``v``, ``scale`` holding bits 1..15 with its sign
+  bit set as a flag (a negative bf16 ``scale`` never occurs otherwise), and every code holding
+  bit 0 of ``v``. Constant zero (and any bf16-exact constant) therefore stores ``scale = -0.0``
+  and all-zero codes.
+* **Non-finite groups** (any NaN or +-Inf, or a range too wide for fp32/bf16, i.e. beyond
+  ~3.39e38) store ``lo = scale = NaN`` and zero codes, so the whole group dequantizes to NaN
+  and other groups are unaffected. Nothing syncs with the device or raises, which keeps AMP's
+  ``GradScaler`` able to see the non-finite values and skip the step.
+
+All arithmetic is fp32: fp64 inputs are quantized from their fp32 rounding.
+
+Example::
+
+    >>> x = torch.randn(1000, 64)
+    >>> q = quantize(x, bits=2, seed=0)
+    >>> q.nbytes  # 250 groups of 256 codes * 2 bits + 4 bytes of metadata each
+    17000
+    >>> q.dequantize().shape
+    torch.Size([1000, 64])
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from gact_graph.bitpack import SUPPORTED_BITS
+from gact_graph.kernels import force_triton, triton_available
+
+__all__ = ["GroupLayout", "QTensor", "SUPPORTED_BITS", "group_layout", "quantize"]
+
+#: bytes of per-group metadata: bf16 ``lo`` and bf16 ``scale``.
+META_BYTES_PER_GROUP = 4
+
+
+class GroupLayout(NamedTuple):
+    """How a tensor is cut into quantization groups (see :func:`group_layout`).
+
+    Element ``(r, c)`` of the ``(rows, cols)`` view belongs to group
+    ``(r // rows_per_group) * groups_per_row + c // group_size`` (the second term only when
+    ``rows_per_group == 1``) at position ``(r % rows_per_group) * cols + c % group_size``.
+    """
+
+    num_groups: int
+    group_size: int  #: effective ``g``: elements per group including padding, a multiple of 8
+    rows: int
+    cols: int
+    groups_per_row: int  #: ``n`` (> 1 only when a row is split)
+    rows_per_group: int  #: ``k`` (> 1 only when a group holds several whole rows)
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one row inside a group: ``cols`` when groups hold rows, else ``g``."""
+        return self.cols if self.rows_per_group > 1 else self.group_size
+
+    @property
+    def padded_numel(self) -> int:
+        return self.num_groups * self.group_size
+
+    def packed_nbytes(self, bits: int) -> int:
+        """Bytes of packed codes: ``num_groups * g * bits / 8`` (exact since ``8 | g``)."""
+        return self.num_groups * self.group_size * bits // 8
+
+    def nbytes(self, bits: int) -> int:
+        """Bytes a :class:`QTensor` with this layout holds: codes plus bf16 ``lo``/``scale``."""
+        return self.packed_nbytes(bits) + self.num_groups * META_BYTES_PER_GROUP
+
+
+def _round_up_8(v: int) -> int:
+    return (v + 7) // 8 * 8
+
+
+def group_layout(shape: Sequence[int] | torch.Size, group_size: int = 256) -> GroupLayout:
+    """Group layout of a tensor of ``shape``, without quantizing anything.
+
+    With ``(R, C)`` the 2-D view and ``G = group_size``:
+
+    * ``C >= G``: each row is split into ``n`` groups of ``g = round_up_8(ceil(C / n))``
+      elements, ``n = ceil(C / G)`` (recounted as ``ceil(C / g)`` so no group is empty); the
+      last group of a row is padded.
+    * ``C < G``: a group holds ``k = G // C`` whole rows, ``g = round_up_8(k * C)``; the last
+      group may hold fewer rows.
+
+    A group therefore never holds part of a row together with part of another row.
+
+    Args:
+        shape: tensor shape (any number of dimensions, including 0).
+        group_size: target group size ``G`` (a positive int).
+    """
+    try:
+        valid = not isinstance(group_size, bool) and operator.index(group_size) >= 1
+    except TypeError:
+        valid = False
+    if not valid:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    group_size = operator.index(group_size)
+    shape = tuple(int(s) for s in shape)
+    cols = shape[-1] if len(shape) >= 1 else 1
+    if len(shape) == 1:
+        rows, cols = shape[0], 1
+    else:
+        rows = math.prod(shape[:-1])
+    if rows == 0 or cols == 0:
+        return GroupLayout(0, 8, rows, cols, 1, 1)
+    if cols >= group_size:
+        n = -(-cols // group_size)
+        g = _round_up_8(-(-cols // n))
+        n = -(-cols // g)
+        return GroupLayout(rows * n, g, rows, cols, n, 1)
+    k = group_size // cols
+    g = _round_up_8(k * cols)
+    return GroupLayout(-(-rows // k), g, rows, cols, 1, k)
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def _use_triton(t: Tensor) -> bool:
+    if force_triton():
+        if not triton_available():
+            raise RuntimeError(
+                "GACT_GRAPH_FORCE_TRITON=1 but Triton is not installed: pip install triton"
+            )
+        return True
+    return t.is_cuda and triton_available()
+
+
+@dataclass(eq=False)
+class QTensor:
+    """A quantized tensor: packed codes plus bf16 per-group metadata.
+
+    Attributes:
+        packed: 1-D ``uint8`` codes, group after group (``g * bits / 8`` bytes each).
+        meta: ``(num_groups, 2)`` bf16, columns ``lo_b`` and ``scale_b`` (see the module
+            docstring for the encoding of constant and non-finite groups).
+        bits: bits per code.
+        shape, dtype: of the original tensor.
+        layout: the :class:`GroupLayout` used.
+        seed: seed of the stochastic rounding.
+    """
+
+    packed: Tensor
+    meta: Tensor
+    bits: int
+    shape: torch.Size
+    dtype: torch.dtype
+    layout: GroupLayout
+    seed: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def group_size(self) -> int:
+        """The effective group size ``g`` (not the requested ``G``)."""
+        return self.layout.group_size
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def nbytes(self) -> int:
+        """True bytes held: packed codes plus 4 bytes of metadata per group."""
+        return self.packed.numel() * self.packed.element_size() + (
+            self.meta.numel() * self.meta.element_size()
+        )
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dequantize(self) -> Tensor:
+        """The reconstruction, with the original shape, dtype and device; contiguous."""
+        from gact_graph.kernels import quantize as kq
+
+        fn = kq.triton_dequantize if _use_triton(self.packed) else kq.dequantize_reference
+        return fn(self.packed, self.meta, self.bits, self.shape, self.dtype, self.layout)
+
+    def group_params(self) -> tuple[Tensor, Tensor]:
+        """Per-group fp32 ``(lo, scale)`` with ``dequant = lo + code * scale``.
+
+        ``scale`` is 0 for constant groups (``lo`` is then their exact value) and NaN for
+        non-finite groups. The stochastic-rounding variance of an element is at most
+        ``scale**2 / 4``.
+        """
+        from gact_graph.kernels import quantize as kq
+
+        lo, scale, const = kq.decode_meta(self.meta)
+        if self.num_groups:
+            bpg = self.layout.packed_nbytes(self.bits) // self.num_groups
+            first_code = self.packed.view(self.num_groups, bpg)[:, 0] & 1
+            lo = torch.where(const, lo + first_code.to(torch.float32) * scale, lo)
+            scale = torch.where(const, torch.zeros_like(scale), scale)
+        return lo, scale
+
+
+def quantize(x: Tensor, bits: int, group_size: int = 256, seed: int | None = None) -> QTensor:
+    """Quantize ``x`` per group to ``bits`` bits with unbiased stochastic rounding.
+
+    Args:
+        x: floating tensor (fp32, fp16, bf16 or fp64) of any shape and strides.
+        bits: bits per element, one of ``1, 2, 4, 8``.
+        group_size: target group size ``G`` (see :func:`group_layout`).
+        seed: seed of the rounding noise; ``None`` draws one from torch's default CPU
+            generator, so results are reproducible under ``torch.manual_seed``. Equal seeds and
+            inputs give identical results, on the Triton and the reference path alike.
+
+    Returns:
+        A :class:`QTensor`; ``.dequantize()`` reconstructs ``x``.
+    """
+    _check_bits(bits)
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"quantize expects a floating-point tensor, got {got}")
+    layout = group_layout(x.shape, group_size)
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    seed = int(seed)
+    from gact_graph.kernels import quantize as kq
+
+    fn = kq.triton_quantize if _use_triton(x) else kq.quantize_reference
+    packed, meta = fn(x, bits, layout, seed)
+    return QTensor(packed, meta, bits, x.shape, x.dtype, layout, seed)

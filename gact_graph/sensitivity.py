@@ -1,0 +1,573 @@
+r"""Per-tensor gradient sensitivity :math:`c_l` of activation compression (GACT, Sec. 4).
+
+With every saved tensor :math:`X_l` quantized to :math:`b_l` bits by unbiased stochastic
+rounding, the extra variance of the parameter gradient is, to first order,
+
+.. math::
+    \mathrm{Var}[\hat g] - \mathrm{Var}[g] \approx \sum_l c_l\, S(b_l), \qquad
+    S(b) = (2^b - 1)^{-2},
+
+where :math:`c_l = \sum_i (R_{g(i)}^2 / 6)\, \lVert J_l[:, i] \rVert^2`: :math:`R_g` the value range
+of the quantization group of element :math:`i` (the rounding step is
+:math:`R_g / (2^b - 1)` and the rounding variance averages :math:`\mathrm{step}^2 / 6` over a
+uniform fractional part), :math:`J_l` the Jacobian of the parameter gradient with respect to the
+value of :math:`X_l` that the backward pass reads.
+
+Two estimators live here.
+
+:func:`two_seed_sensitivity` is GACT's Algorithm 1, the reference: for each tensor it runs the
+training step twice with two rounding seeds for that tensor only (everything else, dropout
+included, identical) and sets :math:`c_l = \lVert g_1 - g_2 \rVert^2 / (2 S(b_l))`. It costs
+``2 L`` forward+backward passes for ``L`` tensors.
+
+:class:`SensitivityProbe` (the one the adaptive planner uses) costs no extra forward or backward
+pass. It rides along the *user's own* backward. The rounding noise of :math:`X_l` enters the
+backward pass at one place only: the autograd node(s) that unpack :math:`X_l`. At each such
+node the probe
+
+1. replays the node on the same incoming gradient with :math:`\hat X_l + \varepsilon`,
+   :math:`\varepsilon` a Rademacher vector scaled to the rounding variance of each group
+   (:math:`\mathrm{step}_g^2 / 6`; exact zeros, e.g. ReLU outputs on the grid, get none), which
+   gives the perturbation :math:`\delta` of every gradient the node emits (exact for nodes linear
+   in :math:`X_l`, e.g. ``grad_W = G^T X``; a finite difference at the rounding scale of the
+   current bits otherwise);
+2. adds :math:`\delta` to the parameter gradient directly where the node feeds a parameter, and
+   otherwise propagates it to the parameters with one re-entrant partial backward from that
+   node (``torch.autograd.grad`` on a ``GradientEdge``, graph retained), which is the exact
+   linear map the noise goes through;
+3. sums the perturbations of all nodes that read :math:`X_l` (same noise draw, so shared tensors
+   are counted with their correlations) and sets :math:`c_l = (2^{b_l} - 1)^2 \lVert \cdot \rVert^2`.
+
+No forward is repeated and nothing is re-quantized; the cost is one replay of each node that
+holds a compressed tensor (about one extra backward in all) plus the partial backwards for
+tensors whose noise flows into activation gradients (none for ``X`` saved by a linear layer,
+since ``grad_X = G W`` does not read it). Tensors whose backward use is piecewise constant in
+``X`` (a ReLU mask recomputed from a quantized output) are seen to first order only, i.e. as
+zero; the pointwise path stores such masks losslessly in one bit instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+
+from gact_graph.quantize import QTensor, quantize
+
+__all__ = [
+    "S",
+    "SensitivityProbe",
+    "element_step",
+    "per_element",
+    "grad_sq_norm",
+    "spearman",
+    "two_seed_sensitivity",
+    "probe_sensitivity",
+]
+
+
+def S(bits: float) -> float:
+    """Variance factor of ``bits``-bit stochastic rounding relative to the range squared:
+    :math:`(2^b - 1)^{-2}`; ``0`` for 32 (lossless)."""
+    if bits >= 32:
+        return 0.0
+    return 1.0 / (2.0**bits - 1.0) ** 2
+
+
+def per_element(q: QTensor, values: Tensor) -> Tensor:
+    """Expand one value per quantization group of ``q`` to every element, shaped like the
+    original tensor (see :class:`~gact_graph.quantize.GroupLayout` for which group holds what)."""
+    lay = q.layout
+    if lay.num_groups == 0:
+        return values.new_zeros(q.shape)
+    if lay.rows_per_group > 1:
+        per_row = values.repeat_interleave(lay.rows_per_group)[: lay.rows]
+        el = per_row[:, None].expand(lay.rows, lay.cols)
+    else:
+        el = values.view(lay.rows, lay.groups_per_row).repeat_interleave(lay.group_size, dim=1)
+        el = el[:, : lay.cols]
+    return el.reshape(q.shape)
+
+
+def element_step(q: QTensor) -> Tensor:
+    """The rounding step (``scale``) of the group of every element of ``q``, shaped like the
+    original tensor (fp32; 0 for constant groups and for non-finite groups)."""
+    _, scale = q.group_params()
+    return per_element(q, torch.nan_to_num(scale.float(), nan=0.0, posinf=0.0, neginf=0.0))
+
+
+def spearman(a: Iterable[float], b: Iterable[float]) -> float:
+    """Spearman rank correlation (average ranks for ties); ``nan`` when either side is constant."""
+    x = torch.as_tensor(list(a), dtype=torch.float64)
+    y = torch.as_tensor(list(b), dtype=torch.float64)
+    if x.numel() != y.numel():
+        raise ValueError("spearman needs two sequences of the same length")
+    rx, ry = _rank(x), _rank(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = (rx.norm() * ry.norm()).item()
+    return float((rx @ ry).item() / den) if den > 0 else float("nan")
+
+
+def _rank(v: Tensor) -> Tensor:
+    order = torch.argsort(v, stable=True)
+    ranks = torch.empty_like(v)
+    ranks[order] = torch.arange(v.numel(), dtype=v.dtype)
+    # average the ranks of ties
+    sv = v[order]
+    i = 0
+    n = v.numel()
+    while i < n:
+        j = i
+        while j + 1 < n and sv[j + 1] == sv[i]:
+            j += 1
+        if j > i:
+            ranks[order[i : j + 1]] = (i + j) / 2.0
+        i = j + 1
+    return ranks
+
+
+def grad_sq_norm(params: Iterable[Tensor]) -> float:
+    """Squared norm of the ``.grad`` of ``params`` (missing grads count as zero)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().square().sum())
+    return total
+
+
+# ---------------------------------------------------------------------------------- Alg. 1
+def _snapshot_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def _frozen_buffers(model: nn.Module):
+    """Extra passes must not move BatchNorm running statistics: restore buffers afterwards."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+def _flat_grads(params: list[Tensor]) -> Tensor:
+    parts = [
+        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device))
+        .double()
+        for p in params
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def two_seed_sensitivity(
+    ctl, step_fn: Callable[[], Any], names: Iterable[str] | None = None, repeats: int = 1
+) -> dict[str, float]:
+    """GACT Algorithm 1: ``c_l = ||g(seed_1) - g(seed_2)||^2 / (2 S(b_l))``, re-seeding only the
+    rounding of tensor ``l`` between two runs of ``step_fn`` (forward, zero_grad, backward).
+
+    Dropout and every other random choice are replayed identically (the RNG state is restored
+    before each run) and BatchNorm buffers are restored afterwards, so the two gradients differ
+    only by the rounding noise of tensor ``l``. ``names`` defaults to every tensor the last
+    forward quantized. ``repeats`` averages that many independent seed pairs. Costs
+    ``2 * repeats * len(names)`` runs of ``step_fn`` (one more when ``names`` is None).
+    """
+    params = [p for p in ctl.model.parameters() if p.requires_grad]
+    rng = _snapshot_rng()
+    old_salt = dict(ctl.seed_salt)
+    out: dict[str, float] = {}
+    with _frozen_buffers(ctl.model):
+        if names is None:
+            _restore_rng(rng)
+            step_fn()
+            names = [r["name"] for r in ctl.stats()["tensors"] if r["bits"] is not None]
+        names = list(names)
+        for name in names:
+            total, bits = 0.0, None
+            for r in range(repeats):
+                grads = []
+                for salt in (1000 + 2 * r, 1001 + 2 * r):
+                    ctl.seed_salt[name] = salt
+                    _restore_rng(rng)
+                    step_fn()
+                    grads.append(_flat_grads(params))
+                    rec = next((t for t in ctl.stats()["tensors"] if t["name"] == name), None)
+                    bits = None if rec is None else rec["bits"]
+                if bits is None:  # not quantized in this run: no rounding noise to measure
+                    break
+                total += float((grads[0] - grads[1]).square().sum()) / (2.0 * S(bits))
+            ctl.seed_salt.pop(name, None)
+            if bits is not None:
+                out[name] = total / repeats
+    ctl.seed_salt.clear()
+    ctl.seed_salt.update(old_salt)
+    _restore_rng(rng)
+    return out
+
+
+# ---------------------------------------------------------------------------------- probe
+def _stable_seed(*parts: Any) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def _group_ids(q: QTensor) -> Tensor:
+    return per_element(q, torch.arange(q.num_groups, device=q.device, dtype=torch.float32)).long()
+
+
+def _group_rounding_variance(x: Tensor, q: QTensor) -> Tensor:
+    """Per group of ``q``: the sum over its elements of ``f (1 - f)``, ``f`` the fractional
+    position of the element of ``x`` between two quantization levels; times ``step^2`` it is
+    the group's total stochastic-rounding variance (exact, from the values at pack time)."""
+    lo, scale = q.group_params()
+    lo_el, step = per_element(q, torch.nan_to_num(lo.float())), element_step(q)
+    x = x.reshape(q.shape).float()
+    u = torch.where(step > 0, (x - lo_el) / torch.where(step > 0, step, 1.0), 0.0)
+    f = u - torch.floor(u)
+    ff = torch.nan_to_num(f * (1 - f), nan=0.0).clamp_(0.0, 0.25)
+    out = torch.zeros(q.num_groups, dtype=torch.float32, device=ff.device)
+    return out.index_add_(0, _group_ids(q).reshape(-1), ff.reshape(-1))
+
+
+def _element_variance(q: QTensor, x_hat: Tensor, group_ff: Tensor | None) -> Tensor:
+    """Rounding variance to give each element of ``x_hat`` in a probe: the group's measured
+    total (``group_ff * step^2``, see `_group_rounding_variance`) spread evenly over its
+    non-zero elements (exact zeros, e.g. ReLU outputs on a level, had none); without a
+    measurement, the uniform-fraction average ``step^2 / 6``."""
+    step = element_step(q).to(x_hat.device)
+    nonzero = x_hat != 0
+    if group_ff is None:
+        return torch.where(nonzero, step.square() / 6.0, 0.0)
+    gid = _group_ids(q).reshape(-1)
+    count = torch.zeros(q.num_groups, dtype=torch.float32, device=x_hat.device)
+    count.index_add_(0, gid, nonzero.reshape(-1).float())
+    per = per_element(q, group_ff.to(x_hat.device) / count.clamp_min(1.0))
+    return torch.where(nonzero, per * step.square(), 0.0)
+
+
+class SensitivityProbe:
+    """Estimates :math:`c_l` for every compressed tensor of one training step, during that
+    step's own backward (see the module docstring).
+
+    Lifecycle: :meth:`arm` before the forward to probe (it routes the controller's unpack
+    through the probe and registers a forward hook on the model); the forward hook hooks every
+    autograd node of the forward's graph; the user's ``backward()`` runs the probe; then
+    :meth:`result` returns ``{name: c_l}`` and :meth:`close` removes what is left.
+
+    Args:
+        ctl: the `Controller`.
+        min_numel: tensors smaller than this are not probed (the controller never quantizes
+            them).
+        seed: seed of the probing noise (each tensor derives its own).
+    """
+
+    def __init__(self, ctl, min_numel: int = 0, seed: int = 0) -> None:
+        self.ctl = ctl
+        self.min_numel = min_numel
+        self.seed = seed
+        self.armed = False
+        self.hooked = False  # a forward with a graph was hooked
+        self.ran = False  # its backward touched at least one node
+        self.seconds = 0.0  # wall time spent inside the probe
+        self.grad_sq = 0.0  # squared norm of the parameter gradient of the probed backward
+        self.failed: dict[str, str] = {}
+        self._acc: dict[str, dict[int, Tensor]] = {}
+        self._bits: dict[str, int] = {}
+        self._numel: dict[str, int] = {}
+        self._noise: dict[int, tuple[Tensor, int]] = {}  # id(stored) -> (x_hat + eps, bits)
+        self._override: dict[int, Tensor] = {}
+        self._node_handles: list[Any] = []
+        self._fwd_handle = None
+        self._tls = threading.local()
+        self._params: list[Tensor] = []
+        self._param_ids: set[int] = set()
+        self._ctl_own: dict[str, Any] = {}
+        self._sr_var = weakref.WeakKeyDictionary()  # Stored -> per-group sum of f(1-f)
+
+    # ---------------------------------------------------------------- arming
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        ctl = self.ctl
+        # the controller enters its saved-tensor hooks with ``self._pack`` / ``self._unpack``
+        self._ctl_own = {k: ctl.__dict__[k] for k in ("_pack", "_unpack") if k in ctl.__dict__}
+        inner_pack, inner_unpack = ctl._pack, ctl._unpack
+
+        def pack(t):
+            return self._pack(t, inner_pack)
+
+        def unpack(stored):
+            return self._unpack(stored, inner_unpack)
+
+        ctl._pack = pack
+        ctl._unpack = unpack
+        self._fwd_handle = ctl.model.register_forward_hook(self._after_forward)
+
+    def _restore_unpack(self) -> None:
+        ctl = self.ctl
+        for k in ("_pack", "_unpack"):
+            if k in self._ctl_own:
+                setattr(ctl, k, self._ctl_own[k])
+            else:
+                ctl.__dict__.pop(k, None)
+
+    def _after_forward(self, module, args, output) -> None:
+        if self.hooked:
+            return
+        from gact_graph.controller import _tensors_in
+
+        roots = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        if not roots:  # a forward without a graph (eval, no_grad): wait for the next one
+            return
+        self.hooked = True
+        self._fwd_handle.remove()
+        self._fwd_handle = None
+        self._restore_unpack()
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._param_ids = {id(p) for p in self._params}
+        seen: set[int] = set()
+        keep: list[Any] = []
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            keep.append(node)
+            var = getattr(node, "variable", None)
+            if var is not None:  # AccumulateGrad of a leaf
+                if id(var) in self._param_ids:
+                    self._node_handles.append(node.register_prehook(self._leaf_hook))
+                continue
+            self._node_handles.append(node.register_prehook(self._pre_hook(node)))
+            self._node_handles.append(node.register_hook(self._post_hook(node)))
+            for nxt, _ in node.next_functions:
+                if nxt is not None and id(nxt) not in seen:
+                    stack.append(nxt)
+
+    # ---------------------------------------------------------------- hooks
+    def _busy(self) -> bool:
+        return getattr(self._tls, "busy", False)
+
+    def _pack(self, t: Tensor, inner):
+        stored = inner(t)
+        p = getattr(stored, "payload", None)
+        if isinstance(p, QTensor) and stored not in self._sr_var and not self._busy():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self._sr_var[stored] = _group_rounding_variance(t.detach(), p)
+            self.seconds += time.perf_counter() - t0
+        return stored
+
+    def _unpack(self, stored, inner):
+        over = self._override.get(id(stored))
+        if over is not None:
+            return over
+        t = inner(stored)
+        if not self._busy():
+            reads = getattr(self._tls, "reads", None)
+            if reads is not None:
+                reads.append((stored, t))
+        return t
+
+    def _leaf_hook(self, grad_outputs):
+        if self._busy():
+            return None
+        g = grad_outputs[0]
+        if g is not None:
+            self.grad_sq += float(g.detach().double().square().sum())
+        return None
+
+    def _pre_hook(self, node):
+        def hook(grad_outputs):
+            if not self._busy():
+                self._tls.reads = []
+            return None
+
+        return hook
+
+    def _post_hook(self, node):
+        def hook(grad_inputs, grad_outputs):
+            if self._busy():
+                return None
+            reads = getattr(self._tls, "reads", None)
+            self._tls.reads = None
+            if not reads:
+                return None
+            t0 = time.perf_counter()
+            self._tls.busy = True
+            try:
+                self.ran = True
+                done: set[int] = set()
+                for stored, x_hat in reads:
+                    if id(stored) in done or not self._is_candidate(stored):
+                        continue
+                    done.add(id(stored))
+                    try:
+                        self._probe(node, stored, x_hat, grad_inputs, grad_outputs)
+                    except Exception as exc:  # a node we cannot replay: say so, never break
+                        self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
+            finally:
+                self._tls.busy = False
+                self.seconds += time.perf_counter() - t0
+            return None
+
+        return hook
+
+    def _is_candidate(self, stored) -> bool:
+        # Compressed tensors, and those the plan keeps at 32 bits; never tensors the graph-aware
+        # paths keep lossless on purpose (attention logits, adjacency weights).
+        if stored.kind != "activation":
+            return False
+        p = stored.payload
+        if isinstance(p, QTensor):
+            return True
+        return (
+            isinstance(p, Tensor)
+            and p.is_floating_point()
+            and p.numel() >= max(1, self.min_numel)
+            and (self.ctl.plan.get(stored.name) or 0) >= 32
+        )
+
+    # ---------------------------------------------------------------- the estimate
+    def _noisy(self, stored, x_hat: Tensor) -> tuple[Tensor, int]:
+        hit = self._noise.get(id(stored))
+        if hit is not None:
+            return hit
+        p = stored.payload
+        if isinstance(p, QTensor):
+            bits = p.bits
+            var = _element_variance(p, x_hat, self._sr_var.get(stored))
+        else:  # kept as is (planned 32 bits): the variance 8-bit rounding would have
+            bits = 8
+            q = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
+            var = _element_variance(q, x_hat, _group_rounding_variance(p.detach(), q))
+        gen = torch.Generator(device=x_hat.device)
+        gen.manual_seed(_stable_seed(self.seed, stored.name))
+        sign = torch.randint(0, 2, x_hat.shape, generator=gen, device=x_hat.device)
+        eps = (sign.to(torch.float32) * 2 - 1) * var.to(x_hat.device).sqrt()
+        noisy = (x_hat.float() + eps).to(x_hat.dtype)
+        self._noise[id(stored)] = (noisy, bits)
+        self._bits[stored.name] = bits
+        self._numel[stored.name] = x_hat.numel()
+        return noisy, bits
+
+    def _replay(self, node, grad_outputs):
+        if callable(node):  # C++ nodes
+            return node(*grad_outputs)
+        # Python autograd.Function nodes: materialize missing gradients as the engine would
+        gos = []
+        for g, meta in zip(grad_outputs, node._input_metadata):
+            if g is None:
+                g = torch.zeros(tuple(meta.shape), dtype=meta.dtype, device=meta.device)
+            gos.append(g)
+        out = node.apply(*gos)
+        return out if isinstance(out, tuple) else (out,)
+
+    def _probe(self, node, stored, x_hat, grad_inputs, grad_outputs) -> None:
+        noisy, bits = self._noisy(stored, x_hat)
+        self._override[id(stored)] = noisy
+        try:
+            out = self._replay(node, grad_outputs)
+        finally:
+            self._override.pop(id(stored), None)
+        acc = self._acc.setdefault(stored.name, {})
+        edges, seeds = [], []
+        for k, (o, base) in enumerate(zip(out, grad_inputs)):
+            if o is None or base is None:
+                continue
+            if o.shape != base.shape:  # the engine sums broadcast gradients after the node
+                o = o.sum_to_size(base.shape)
+            d = (o - base).detach()
+            if not d.is_floating_point() or not bool(torch.any(d != 0)):
+                continue
+            fn, nr = node.next_functions[k]
+            if fn is None:
+                continue
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                if id(var) in self._param_ids:
+                    self._add(acc, var, d)
+                continue
+            edges.append(GradientEdge(fn, nr))
+            seeds.append(d)
+        if edges and self._params:
+            res = torch.autograd.grad(
+                edges, self._params, seeds, retain_graph=True, allow_unused=True
+            )
+            for p, r in zip(self._params, res):
+                if r is not None:
+                    self._add(acc, p, r)
+
+    @staticmethod
+    def _add(acc: dict[int, Tensor], p: Tensor, d: Tensor) -> None:
+        d = d.detach().to(torch.float64).reshape(p.shape)
+        prev = acc.get(id(p))
+        acc[id(p)] = d if prev is None else prev + d
+
+    def result(self) -> dict[str, float]:
+        """``{name: c_l}`` for every compressed tensor the probed backward read."""
+        t0 = time.perf_counter()
+        out = {}
+        for name, acc in self._acc.items():
+            sq = sum(float(v.square().sum()) for v in acc.values())
+            out[name] = sq * (2.0 ** self._bits[name] - 1.0) ** 2
+        for name, bits in self._bits.items():  # read, but its noise reached no parameter
+            out.setdefault(name, 0.0)
+        for name in self.failed:
+            out.pop(name, None)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        if self._fwd_handle is not None:
+            self._fwd_handle.remove()
+            self._fwd_handle = None
+        if self.armed and not self.hooked:
+            self._restore_unpack()
+        for h in self._node_handles:
+            h.remove()
+        self._node_handles.clear()
+        self._noise.clear()
+        self._override.clear()
+        self._acc.clear()
+        self.armed = False
+
+
+def probe_sensitivity(ctl, step_fn: Callable[[], Any], seed: int = 0) -> dict[str, float]:
+    """Run ``step_fn`` once under a :class:`SensitivityProbe` and return ``{name: c_l}``
+    (the convenience form for tests and benchmarks; the adaptive planner instead probes the
+    user's own next training step)."""
+    probe = SensitivityProbe(ctl, min_numel=ctl.config.min_numel, seed=seed)
+    probe.arm()
+    try:
+        step_fn()
+        if probe.failed:
+            warnings.warn(
+                f"gact_graph: could not probe {sorted(probe.failed)}: "
+                f"{next(iter(probe.failed.values()))}",
+                stacklevel=2,
+            )
+        return probe.result()
+    finally:
+        probe.close()

@@ -1,0 +1,735 @@
+"""One compact, shared adjacency per distinct graph.
+
+Stock PyG message passing keeps, for every layer, its own copies of the edge index (int64,
+2 x E) and of the normalized edge weights for backward. The graph is the same for every layer,
+so `get_adjacency` builds it once, as a destination-sorted CSR matrix (``rowptr`` int64 N+1,
+``col`` int32 when it fits, ``weight``), caches it on the controller, and hands the SAME object
+to every layer of a forward and to later forwards on the same graph. Self-loops and the GCN
+normalization are applied with PyG's own functions (`gcn_norm`, `add_remaining_self_loops`,
+...), so the edges and weights are exactly those the stock convolution would use.
+
+Recognizing "the same graph" is cheap first (storage identity, view and version of the input
+tensors) and falls back to a content hash, so a copy of the edge index, an expanded or strided
+view of it, or the same matrix given once as COO and once as CSR all share one adjacency. The
+cache holds a few graphs strongly (most recently used first) and everything else weakly, so it
+never keeps a graph alive forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "CompactAdjacency",
+    "AdjacencyCache",
+    "get_adjacency",
+    "differentiable_edge_weight",
+    "content_hash",
+    "is_torch_sparse",
+    "is_sparse_tensor",
+]
+
+#: Graphs a controller keeps alive between forwards (most recently used); older ones are held
+#: weakly (alive only while autograd still needs them). ``compress_gnn(..., max_graphs=N)``.
+DEFAULT_MAX_GRAPHS = 4
+_HASH_CHUNK = 1 << 20
+
+# torch warns once per process that CSR support is "in beta" when we build the transient CSR
+# view of an adjacency; it says nothing to our users, so that one message is silenced.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+_INT32_MAX = 2**31 - 1
+
+try:  # optional: torch_sparse.SparseTensor (PyG's typing module exposes a placeholder otherwise)
+    from torch_geometric.typing import WITH_TORCH_SPARSE as _WITH_TORCH_SPARSE
+    from torch_geometric.typing import SparseTensor as _SparseTensor
+except ImportError:  # pragma: no cover - PyG always has the typing module
+    _WITH_TORCH_SPARSE, _SparseTensor = False, None
+
+
+def is_torch_sparse(t: Any) -> bool:
+    """A `torch.sparse` COO/CSR/CSC tensor."""
+    return isinstance(t, Tensor) and t.layout in (
+        torch.sparse_coo,
+        torch.sparse_csr,
+        torch.sparse_csc,
+    )
+
+
+def is_sparse_tensor(t: Any) -> bool:
+    """A `torch_sparse.SparseTensor` (False when torch_sparse is not installed)."""
+    return bool(_WITH_TORCH_SPARSE) and _SparseTensor is not None and isinstance(t, _SparseTensor)
+
+
+class CompactAdjacency:
+    """A graph as a destination-sorted CSR matrix: ``out = A @ x`` sums, for every node ``i``,
+    ``weight[k] * x[col[k]]`` over ``k in rowptr[i]:rowptr[i+1]`` (PyG's source_to_target flow:
+    row = target, col = source).
+
+    Attributes:
+        num_nodes: N (the matrix is N x N).
+        rowptr: int64 [N + 1].
+        col: source node of every edge in CSR order; int32 when N < 2**31, else int64.
+        weight: float [E] in CSR order, or None (every edge weighs 1; or, with
+            ``weight_is_external``, the caller supplies a differentiable weight per call).
+        perm: int64 [E]: CSR position -> position in the edge list that PyG itself would use
+            (the input ``edge_index`` after its self-loop handling); None when that is the
+            identity (input already sorted, or a torch.sparse input) or when it was not asked
+            for (``get_adjacency(..., keep_perm=True)``; learnable weights always keep it).
+            CSR order is by (destination, source), stable among duplicates.
+        weight_is_external: the graph came with a learnable ``edge_weight``; its structure is
+            cached here, its weights are computed per forward (`differentiable_edge_weight`).
+
+    Duplicate edges are kept as separate entries (PyG sums their messages); isolated nodes
+    simply have empty rows.
+    """
+
+    def __init__(
+        self,
+        num_nodes: int,
+        rowptr: Tensor,
+        col: Tensor,
+        weight: Tensor | None = None,
+        perm: Tensor | None = None,
+        *,
+        weight_is_external: bool = False,
+    ) -> None:
+        if rowptr.dtype != torch.int64 or rowptr.dim() != 1 or rowptr.numel() != num_nodes + 1:
+            raise ValueError("rowptr must be int64 of length num_nodes + 1")
+        if col.dim() != 1 or col.dtype not in (torch.int32, torch.int64):
+            raise ValueError("col must be a 1-D int32/int64 tensor")
+        if weight is not None and (weight.shape != col.shape or not weight.is_floating_point()):
+            raise ValueError("weight must be a float tensor shaped like col")
+        if perm is not None and (perm.shape != col.shape or perm.dtype != torch.int64):
+            raise ValueError("perm must be int64 shaped like col")
+        self.num_nodes = int(num_nodes)
+        self.rowptr = rowptr
+        self.col = col
+        self.weight = weight
+        self.perm = perm
+        self.weight_is_external = weight_is_external
+        self._transpose: CompactAdjacency | None = None
+        self._symmetric = False  # A^T == A: transpose() is self (a flag, not a ref cycle)
+        self._symmetric_identity = False  # ... and A^T lists the edges in the same order
+        self._ctl_ref: weakref.ref | None = None
+        self.__weakref__: Any
+
+    # ------------------------------------------------------------------ shape and bytes
+    @property
+    def num_edges(self) -> int:
+        return self.col.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.rowptr.device
+
+    def tensors(self, with_transpose: bool = True) -> list[Tensor]:
+        """Every tensor this adjacency holds (the transpose's too, once it exists)."""
+        out = [t for t in (self.rowptr, self.col, self.weight, self.perm) if t is not None]
+        if with_transpose and self._transpose is not None:
+            out += self._transpose.tensors(with_transpose=False)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, the lazily built transpose included once it exists."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def __repr__(self) -> str:
+        w = "external" if self.weight_is_external else ("none" if self.weight is None else "yes")
+        return (
+            f"CompactAdjacency(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
+            f"weight={w}, perm={'yes' if self.perm is not None else 'none'}, "
+            f"transpose={self._transpose_state()}, "
+            f"nbytes={self.nbytes})"
+        )
+
+    def _transpose_state(self) -> str:
+        return "self" if self._symmetric else "built" if self._transpose is not None else "no"
+
+    # ------------------------------------------------------------------ derived (transient)
+    def degree(self) -> Tensor:
+        """Entries per row (in-degree counting duplicates), int64 [N]."""
+        return self.rowptr[1:] - self.rowptr[:-1]
+
+    def dst_index(self) -> Tensor:
+        """Destination (row) of every edge in CSR order, int64 [E]; transient."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_nodes, device=self.device),
+            self.degree(),
+            output_size=self.num_edges,
+        )
+
+    def edge_index(self) -> Tensor:
+        """int64 [2, E] edge index in CSR order (``[source; destination]``); transient."""
+        return torch.stack([self.col.long(), self.dst_index()], dim=0)
+
+    def to_csr_order(self, edge_values: Tensor) -> Tensor:
+        """Per-edge values in PyG's edge order -> CSR order (differentiable gather)."""
+        return edge_values if self.perm is None else edge_values[self.perm]
+
+    def to_edge_order(self, csr_values: Tensor) -> Tensor:
+        """Per-edge values in CSR order -> PyG's edge order (inverse of `to_csr_order`)."""
+        if self.perm is None:
+            return csr_values
+        out = csr_values.new_empty(csr_values.shape)
+        out[self.perm] = csr_values
+        return out
+
+    def transpose(self) -> CompactAdjacency:
+        """A^T as a source-sorted CSR, built once and cached on this object: its ``col`` is the
+        destination of each edge; its ``perm`` (kept when per-call weights are expected:
+        external weights or ``keep_perm``) maps its positions to CSR positions here. A
+        symmetric matrix (an undirected graph with symmetric weights, e.g. GCN's) is its own
+        transpose and costs nothing extra."""
+        if self._symmetric:
+            return self
+        if self._transpose is None:
+            n, src = self.num_nodes, self.col
+            t_perm = torch.argsort(src, stable=True)
+            t_rowptr = _rowptr_from_sorted_counts(torch.bincount(src, minlength=n), n)
+            t_col = self.dst_index()[t_perm].to(self.col.dtype)
+            t_weight = None if self.weight is None else self.weight[t_perm]
+            symmetric = (
+                torch.equal(t_rowptr, self.rowptr)
+                and torch.equal(t_col, self.col)
+                and (t_weight is None or torch.equal(t_weight, self.weight))
+            )
+            identity = torch.equal(t_perm, _arange_like(t_perm))
+            # Per-call weights (learnable, dropped-out) need the transposed order of the edges.
+            wants_perm = self.weight_is_external or self.perm is not None
+            if symmetric and (identity or not wants_perm):
+                self._symmetric = True
+                self._symmetric_identity = identity
+                return self
+            keep = t_perm if wants_perm else None
+            self._transpose = CompactAdjacency(n, t_rowptr, t_col, t_weight, keep)
+            del t_perm
+            ctl = self._ctl_ref() if self._ctl_ref is not None else None
+            if ctl is not None:
+                for t in self._transpose.tensors():
+                    ctl.keep_lossless(t, "index")
+        return self._transpose
+
+    def transpose_perm(self) -> Tensor | None:
+        """Positions (in this CSR order) of the transpose's edges, for per-call weights:
+        None when the orders agree; recomputed (transient) when it was not kept."""
+        at = self.transpose()
+        if at is self:
+            return None if self._symmetric_identity else torch.argsort(self.col, stable=True)
+        return at.perm if at.perm is not None else torch.argsort(self.col, stable=True)
+
+    def to_torch_csr(self, values: Tensor | None = None, dtype: torch.dtype | None = None):
+        """A `torch.sparse_csr_tensor` view for `torch.sparse.mm` (indices converted to one
+        dtype, weights of ones when there are none): transient, O(N + E)."""
+        if values is None:
+            values = self.weight
+        if values is None:
+            values = torch.ones(self.num_edges, dtype=dtype or torch.float32, device=self.device)
+        elif dtype is not None and values.dtype != dtype:
+            values = values.to(dtype)
+        col = self.col
+        if col.dtype == torch.int32 and self.num_edges <= _INT32_MAX:
+            crow = self.rowptr.to(torch.int32)
+        else:
+            crow, col = self.rowptr, col.long()
+        return torch.sparse_csr_tensor(
+            crow, col, values, (self.num_nodes, self.num_nodes), check_invariants=False
+        )
+
+
+def _arange_like(t: Tensor) -> Tensor:
+    return torch.arange(t.numel(), dtype=t.dtype, device=t.device)
+
+
+def _rowptr_from_sorted_counts(counts: Tensor, n: int) -> Tensor:
+    rowptr = torch.zeros(n + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts, 0, out=rowptr[1:])
+    return rowptr
+
+
+# ---------------------------------------------------------------------------- content hash
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _as_int64_values(t: Tensor) -> Tensor:
+    """Values as int64: integers by value (int32 and int64 of equal values agree), floats by
+    the bits of their float64 value (float32 and float64 of equal values agree)."""
+    if t.is_floating_point():
+        return t.to(torch.float64).view(torch.int64)
+    if t.dtype == torch.bool:
+        return t.to(torch.int64)
+    return t.to(torch.int64)
+
+
+def content_hash(t: Tensor | None) -> tuple:
+    """A 128-bit hash of a tensor's shape and values (not of its layout, strides or dtype
+    width): position-dependent mixing summed with int64 wrap-around, in bounded chunks."""
+    if t is None:
+        return ("none",)
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
+    h2 = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, n, _HASH_CHUNK):
+        v = _as_int64_values(flat[start : start + _HASH_CHUNK])
+        pos = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
+        m = pos * _M1
+        m = m ^ (m >> 31)
+        m = m * _M2
+        m = m ^ (m >> 27)
+        a = (v ^ m) * _M3
+        h1 += (a ^ (a >> 29)).sum()
+        b = (v + m) * _M1
+        h2 += (b ^ (b >> 32)).sum()
+    kind = "float" if t.is_floating_point() else "int"
+    return (kind, tuple(t.shape), int(h1), int(h2))
+
+
+# ---------------------------------------------------------------------------- cache
+class _Entry:
+    __slots__ = ("adj", "refs")
+
+    def __init__(self, adj: CompactAdjacency, refs: list[StorageWeakRef]) -> None:
+        self.adj = weakref.ref(adj)
+        self.refs = refs
+
+    def get(self) -> CompactAdjacency | None:
+        if any(r.expired() for r in self.refs):
+            return None
+        return self.adj()
+
+
+class AdjacencyCache:
+    """Per-controller cache: identity keys -> adjacency (weakly), content keys -> adjacency
+    (weakly), and the ``max_graphs`` most recently used adjacencies held strongly."""
+
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+        self.max_graphs = max(0, int(max_graphs))
+        self._by_identity: dict[tuple, _Entry] = {}
+        self._by_content: dict[tuple, _Entry] = {}
+        self._recent: collections.OrderedDict[int, CompactAdjacency] = collections.OrderedDict()
+        self.builds = 0  # adjacencies built (a test and debugging aid)
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def clear(self) -> None:
+        self._by_identity.clear()
+        self._by_content.clear()
+        self._recent.clear()
+
+    def touch(self, adj: CompactAdjacency) -> None:
+        self._recent[id(adj)] = adj
+        self._recent.move_to_end(id(adj))
+        while len(self._recent) > self.max_graphs:
+            self._recent.popitem(last=False)
+
+    def lookup(self, table: dict, key: tuple) -> CompactAdjacency | None:
+        entry = table.get(key)
+        if entry is None:
+            return None
+        adj = entry.get()
+        if adj is None:
+            del table[key]
+        return adj
+
+    def insert(self, table: dict, key: tuple, adj: CompactAdjacency, refs=()) -> None:
+        table[key] = _Entry(adj, list(refs))
+
+    def prune(self) -> None:
+        """Drop entries whose source storage or adjacency is gone."""
+        for table in (self._by_identity, self._by_content):
+            for key in [k for k, e in table.items() if e.get() is None]:
+                del table[key]
+
+
+def _cache_of(ctl) -> AdjacencyCache:
+    cache = getattr(ctl, "_gg_adjacency_cache", None)
+    if cache is None:
+        max_graphs = DEFAULT_MAX_GRAPHS
+        config = getattr(ctl, "config", None)
+        if config is not None:
+            max_graphs = int(config.extra.get("max_graphs", DEFAULT_MAX_GRAPHS))
+        cache = AdjacencyCache(max_graphs)
+        ctl._gg_adjacency_cache = cache
+        if hasattr(ctl, "add_undo"):
+
+            def undo() -> None:
+                cache.clear()
+                if getattr(ctl, "_gg_adjacency_cache", None) is cache:
+                    del ctl._gg_adjacency_cache
+
+            ctl.add_undo(undo)
+    return cache
+
+
+def _identity_key(t: Tensor | None) -> tuple[tuple, list[StorageWeakRef]] | None:
+    """(key, weak refs) naming exactly this view of this storage at this version; None when
+    the tensor has no inspectable storage."""
+    if t is None:
+        return ("none",), []
+    if is_torch_sparse(t):
+        parts, refs = [str(t.layout), tuple(t.shape)], []
+        if t.layout == torch.sparse_coo:
+            comps = (t._indices(), t._values())
+        elif t.layout == torch.sparse_csr:
+            comps = (t.crow_indices(), t.col_indices(), t.values())
+        else:
+            comps = (t.ccol_indices(), t.row_indices(), t.values())
+        for c in comps:
+            sub = _identity_key(c)
+            if sub is None:
+                return None
+            parts.append(sub[0])
+            refs += sub[1]
+        return tuple(parts), refs
+    t = _plain(t)
+    if t.layout != torch.strided or t.device.type == "meta":
+        return None
+    ref = StorageWeakRef(t.untyped_storage())
+    key = (ref.cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+    return key, [ref]
+
+
+def _plain(t: Tensor) -> Tensor:
+    """The plain tensor behind a subclass such as PyG's `EdgeIndex`."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return t
+    as_tensor = getattr(t, "as_tensor", None)
+    if callable(as_tensor):
+        return as_tensor()
+    return t.as_subclass(torch.Tensor)
+
+
+def _content_key(t: Tensor | None) -> tuple:
+    if t is None:
+        return ("none",)
+    if is_torch_sparse(t):
+        # Canonical: the CSR (as PyG's spmm would convert it) of the matrix.
+        csr = t.detach()
+        if csr.layout != torch.sparse_csr:
+            csr = csr.to_sparse_csr()
+        return (
+            "sparse",
+            tuple(t.shape),
+            content_hash(csr.crow_indices()),
+            content_hash(csr.col_indices()),
+            content_hash(csr.values()),
+        )
+    return content_hash(_plain(t))
+
+
+# ---------------------------------------------------------------------------- building
+def _pyg_edge_list(
+    edge_index: Tensor,
+    edge_weight: Tensor | None,
+    num_nodes: int,
+    add_self_loops: bool,
+    normalize: bool,
+    improved: bool,
+    fill_value: float,
+    loop_mode: str,
+    dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The (edge_index, edge_weight) PyG's convolution would message-pass over: PyG's own
+    functions, so self-loop handling and normalization match it exactly."""
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    from torch_geometric.utils import add_remaining_self_loops, remove_self_loops
+    from torch_geometric.utils import add_self_loops as add_all_self_loops
+
+    if normalize:
+        return gcn_norm(
+            edge_index, edge_weight, num_nodes, improved, add_self_loops, "source_to_target", dtype
+        )
+    if add_self_loops:
+        if loop_mode == "replace":
+            edge_index, edge_weight = remove_self_loops(edge_index, edge_weight)
+            return add_all_self_loops(edge_index, edge_weight, fill_value, num_nodes)
+        return add_remaining_self_loops(edge_index, edge_weight, fill_value, num_nodes)
+    return edge_index, edge_weight
+
+
+def _pyg_sparse(
+    adj: Tensor,
+    num_nodes: int,
+    add_self_loops: bool,
+    normalize: bool,
+    improved: bool,
+    fill_value: float,
+    loop_mode: str,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """The torch.sparse matrix PyG's convolution would multiply with, as CSR."""
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    from torch_geometric.utils import add_self_loops as add_all_self_loops
+    from torch_geometric.utils import remove_self_loops
+
+    if normalize:
+        adj, _ = gcn_norm(adj, None, num_nodes, improved, add_self_loops, "source_to_target", dtype)
+    elif add_self_loops:
+        if loop_mode == "replace":
+            adj, _ = remove_self_loops(adj)
+        adj, _ = add_all_self_loops(adj, None, fill_value, num_nodes)
+    if adj.layout != torch.sparse_csr:  # what torch_geometric.utils.spmm does
+        adj = adj.to_sparse_csr()
+    return adj
+
+
+def _index_dtype(num_nodes: int) -> torch.dtype:
+    return torch.int32 if num_nodes <= _INT32_MAX else torch.int64
+
+
+def _from_edge_list(
+    edge_index: Tensor,
+    edge_weight: Tensor | None,
+    num_nodes: int,
+    external: bool,
+    keep_perm: bool,
+) -> CompactAdjacency:
+    edge_index = _plain(edge_index)
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must be [2, E], got {tuple(edge_index.shape)}")
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    if src.numel():
+        lo = torch.minimum(src.min(), dst.min()).item()
+        hi = torch.maximum(src.max(), dst.max()).item()
+        if lo < 0 or hi >= num_nodes:
+            raise IndexError(
+                f"edge_index holds node {lo if lo < 0 else hi}, outside [0, {num_nodes})"
+            )
+    # Sorted by (destination, source): rows in CSR order with their columns ascending, so an
+    # undirected graph's CSR equals its transpose's and the transpose costs nothing.
+    key = dst * num_nodes + src
+    if src.numel() < 2 or bool((key[1:] >= key[:-1]).all()):
+        perm = None
+        col = src
+        weight = edge_weight
+    else:
+        perm = torch.argsort(key, stable=True)
+        dst = dst[perm]
+        col = src[perm]
+        weight = None if edge_weight is None else edge_weight[perm]
+    del key
+    if not keep_perm:
+        perm = None
+    counts = torch.bincount(dst, minlength=num_nodes)
+    rowptr = _rowptr_from_sorted_counts(counts, num_nodes)
+    # Copies: we own our data, so an in-place change of the caller's tensors never reaches us.
+    col = col.to(_index_dtype(num_nodes), copy=True)
+    if weight is not None:
+        weight = weight.detach().clone()
+    return CompactAdjacency(
+        num_nodes, rowptr, col, None if external else weight, perm, weight_is_external=external
+    )
+
+
+def _from_torch_csr(csr: Tensor, num_nodes: int) -> CompactAdjacency:
+    if csr.size(0) != csr.size(1) or csr.size(0) != num_nodes:
+        raise ValueError(
+            f"the sparse adjacency is {tuple(csr.shape)}, expected ({num_nodes}, {num_nodes})"
+        )
+    rowptr = csr.crow_indices().detach().to(torch.int64, copy=True)
+    col = csr.col_indices().detach().to(_index_dtype(num_nodes), copy=True)
+    weight = csr.values().detach().clone()
+    return CompactAdjacency(num_nodes, rowptr, col, weight, None)
+
+
+def _build(
+    graph: Any,
+    edge_weight: Tensor | None,
+    num_nodes: int,
+    add_self_loops: bool,
+    normalize: bool,
+    improved: bool,
+    fill_value: float,
+    loop_mode: str,
+    dtype: torch.dtype | None,
+    external: bool,
+    use_values: bool,
+    keep_perm: bool,
+) -> CompactAdjacency:
+    with torch.no_grad():
+        if is_sparse_tensor(graph):  # torch_sparse.SparseTensor (PyG's adj_t convention)
+            if not use_values:
+                graph = graph.set_value(None, layout=None)
+            if normalize:
+                from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+                graph = gcn_norm(
+                    graph, None, num_nodes, improved, add_self_loops, "source_to_target", dtype
+                )
+            elif add_self_loops:
+                import torch_sparse
+
+                if loop_mode == "replace":
+                    graph = torch_sparse.set_diag(graph)
+                else:
+                    graph = torch_sparse.fill_diag(graph, fill_value)
+            if not graph.has_value():
+                graph = graph.fill_value(1.0, dtype=dtype or torch.float32)
+            csr = graph.to_torch_sparse_csr_tensor()
+            return _from_torch_csr(csr, num_nodes)
+        if is_torch_sparse(graph):
+            csr = _pyg_sparse(
+                graph.detach(), num_nodes, add_self_loops, normalize, improved, fill_value,
+                loop_mode, dtype,
+            )  # fmt: skip
+            return _from_torch_csr(csr, num_nodes)
+        ei, w = _pyg_edge_list(
+            graph, None if external else edge_weight, num_nodes, add_self_loops, normalize,
+            improved, fill_value, loop_mode, dtype,
+        )  # fmt: skip
+        return _from_edge_list(ei, w, num_nodes, external, keep_perm or external)
+
+
+def get_adjacency(
+    ctl,
+    edge_index_or_adj: Any,
+    num_nodes: int,
+    *,
+    add_self_loops: bool,
+    normalize: bool | str = False,
+    edge_weight: Tensor | None = None,
+    improved: bool = False,
+    fill_value: float = 1.0,
+    loop_mode: str = "remaining",
+    dtype: torch.dtype | None = None,
+    use_values: bool = True,
+    keep_perm: bool = False,
+) -> CompactAdjacency:
+    """The shared `CompactAdjacency` of a graph, built once per controller and graph.
+
+    Args:
+        ctl: the `Controller` (its cache; its ``keep_lossless`` marks the adjacency's tensors
+            so they are stored once, losslessly, as kind ``index``). ``None``: no caching.
+        edge_index_or_adj: ``edge_index`` (integer [2, E]; row 0 source, row 1 target), a
+            `torch.sparse` COO/CSR/CSC matrix in PyG's ``adj_t`` convention (row = target), or
+            a ``torch_sparse.SparseTensor`` when that package is installed.
+        num_nodes: N.
+        add_self_loops: add self-loops as the PyG convolution does (see ``loop_mode``).
+        normalize: ``True``/``"sym"``: GCN normalization exactly as PyG's `gcn_norm`
+            (self-loops with fill 1, or 2 with ``improved``; D^-1/2 (A + I) D^-1/2 with the
+            degree summed at the target).
+        edge_weight: per-edge weights of ``edge_index`` (ignored for sparse matrices, as PyG
+            does). If it requires grad (and grad is on), the adjacency caches only the
+            structure (``weight_is_external``); compute the weights per forward with
+            `differentiable_edge_weight` and reorder them with ``adj.to_csr_order``.
+        improved: GCN's ``improved`` (self-loop fill 2) when normalizing.
+        fill_value: self-loop weight without normalization.
+        loop_mode: ``"remaining"`` (GCN: `add_remaining_self_loops`; an existing self-loop
+            keeps its weight) or ``"replace"`` (GAT: `remove_self_loops` + `add_self_loops`).
+            Without edge weights both give the same edges in the same order.
+        dtype: dtype of the normalized weights (the features' dtype, as PyG passes it).
+        use_values: False drops a sparse matrix's values (SAGE/GIN with ``SparseTensor``).
+        keep_perm: keep ``perm`` (CSR position -> PyG edge position); it is kept anyway with
+            learnable weights. Without it ``perm`` is None (it costs 8 bytes per edge).
+
+    Returns:
+        The same `CompactAdjacency` object for every call on the same graph and options.
+    """
+    if normalize not in (False, True, "sym", "gcn"):
+        raise ValueError(f"normalize must be False, True or 'sym', got {normalize!r}")
+    normalize = bool(normalize)
+    if loop_mode not in ("remaining", "replace"):
+        raise ValueError(f"loop_mode must be 'remaining' or 'replace', got {loop_mode!r}")
+    sparse_input = is_torch_sparse(edge_index_or_adj) or is_sparse_tensor(edge_index_or_adj)
+    if not sparse_input and not isinstance(edge_index_or_adj, Tensor):
+        if type(edge_index_or_adj).__name__ == "SparseTensor":
+            raise ImportError(
+                "a torch_sparse.SparseTensor adjacency needs the 'torch_sparse' package "
+                "(pip install torch-sparse)"
+            )
+        raise TypeError(f"unsupported adjacency type {type(edge_index_or_adj).__name__}")
+    if sparse_input:
+        edge_weight = None
+    external = edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled()
+    opts = (
+        int(num_nodes), bool(add_self_loops), normalize, bool(improved), float(fill_value),
+        loop_mode, dtype if normalize or sparse_input else None, bool(use_values),
+        bool(keep_perm), external,
+    )  # fmt: skip
+
+    if ctl is None:
+        return _build(
+            edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
+            fill_value, loop_mode, dtype, external, use_values, keep_perm,
+        )  # fmt: skip
+    cache = _cache_of(ctl)
+
+    # 1) identity: same storages, views and versions as a graph seen before.
+    id_graph = _identity_key(edge_index_or_adj)
+    id_weight = _identity_key(None if external else edge_weight)
+    id_key = None
+    if id_graph is not None and id_weight is not None:
+        id_key = (opts, id_graph[0], id_weight[0])
+        adj = cache.lookup(cache._by_identity, id_key)
+        if adj is not None:
+            cache.hits += 1
+            cache.touch(adj)
+            return adj
+
+    # 2) content: equal values arriving as other tensors (copy, view, COO vs CSR).
+    cache.prune()
+    c_key = (opts, _content_key(edge_index_or_adj), _content_key(None if external else edge_weight))
+    adj = cache.lookup(cache._by_content, c_key)
+    if adj is None:
+        adj = _build(
+            edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
+            fill_value, loop_mode, dtype, external, use_values, keep_perm,
+        )  # fmt: skip
+        cache.builds += 1
+        # 3) canonical: the built CSR itself (a COO and a CSR of one matrix meet here).
+        canon = (
+            "csr", adj.num_nodes, external, content_hash(adj.rowptr), content_hash(adj.col),
+            content_hash(adj.weight), None if adj.weight is None else adj.weight.dtype,
+            content_hash(adj.perm),
+        )  # fmt: skip
+        same = cache.lookup(cache._by_content, canon)
+        if same is not None:
+            adj = same
+        else:
+            adj._ctl_ref = weakref.ref(ctl)
+            for t in adj.tensors():
+                ctl.keep_lossless(t, "index")
+            cache.insert(cache._by_content, canon, adj)
+        cache.insert(cache._by_content, c_key, adj)
+    else:
+        cache.hits += 1
+    if id_key is not None:
+        cache.insert(cache._by_identity, id_key, adj, id_graph[1] + id_weight[1])
+    cache.touch(adj)
+    return adj
+
+
+def differentiable_edge_weight(
+    adj: CompactAdjacency,
+    edge_index: Tensor,
+    edge_weight: Tensor,
+    num_nodes: int,
+    *,
+    add_self_loops: bool,
+    normalize: bool,
+    improved: bool = False,
+    fill_value: float = 1.0,
+    loop_mode: str = "remaining",
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """The learnable ``edge_weight`` after PyG's self-loops / normalization, with autograd,
+    in ``adj``'s CSR order (``adj`` from `get_adjacency` with the same arguments)."""
+    _, w = _pyg_edge_list(
+        edge_index, edge_weight, num_nodes, add_self_loops, bool(normalize), improved,
+        fill_value, loop_mode, dtype,
+    )  # fmt: skip
+    if w.numel() != adj.num_edges:
+        raise ValueError("edge_weight does not belong to this adjacency")
+    return adj.to_csr_order(w)

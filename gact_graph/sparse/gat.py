@@ -1,0 +1,665 @@
+"""GAT / GATv2 attention that saves only node-level tensors for backward.
+
+Stock PyG `GATConv` gathers ``x_j = x'[src]`` (E x H x C) and multiplies it by the attention
+coefficients; autograd keeps that gather, the coefficients and the softmax intermediates alive
+until backward. On an ogbn-arxiv-sized graph this edge-level state is most of what a 3-layer GAT
+saves. Here the whole edge stage (logits, leaky-ReLU, segment softmax, attention dropout and
+the weighted aggregation) is one `torch.autograd.Function` that saves
+
+- the projected features ``x'`` (N x H x C; the controller compresses it like any activation),
+- the per-node logits ``a_src = <x'_i, att_src>``, ``a_dst = <x'_i, att_dst>`` (N x H, small;
+  the patcher asks the controller to keep them lossless, since a softmax of quantized logits
+  would be far off),
+- the destination-sorted CSR adjacency (shared by every layer, stored once),
+- for attention dropout: nothing but an integer seed, from which backward regenerates the mask.
+
+Backward recomputes the edge logits, the softmax and the dropout mask (E x H, transient), and
+runs the gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists: each
+chunk's temporaries (at most three chunk x H x C tensors alive at once) total at most
+``chunk_bytes`` (64 MiB by default).
+
+GAT's backward is linear in the saved ``x'`` (the softmax comes from the lossless logits), so
+with stochastic rounding its gradient stays unbiased. GATv2 (``a(W x_i + W x_j)``) has no
+node-level logit decomposition; its logits are computed in the same edge chunks in forward and
+recomputed in chunks in backward, so it too saves only ``x_l``, ``x_r`` (N x H x C) and the
+adjacency, but its backward is nonlinear in them: quantizing them biases its gradient (give
+them more bits). Both backwards are ``once_differentiable`` (no double backward).
+
+Everything here is plain PyTorch (CPU and CUDA). There is no Triton kernel for the edge stage
+yet; the chunked path is the reference and the only implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch_geometric.nn import GATConv, GATv2Conv
+
+from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "GatAttentionFunction",
+    "GatV2AttentionFunction",
+    "gat_attention",
+    "gatv2_attention",
+    "gat_attention_reference",
+    "gatv2_attention_reference",
+    "attention_keep_mask",
+    "csr_destinations",
+    "edge_chunk_size",
+]
+
+#: Bytes of the edge-chunk temporaries (chunk x H x C tensors) alive at once in the chunked
+#: gather-scatter; ``compress_gnn(..., chunk_bytes=...)`` changes it (shared with `spmm`).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: Chunk x H x C tensors alive at once: two in GAT's backward, three in GATv2's.
+_LIVE_CHUNK_TENSORS = 3
+
+
+# ---------------------------------------------------------------------------- helpers
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate half-precision inputs in fp32 (index_add_ over many edges loses bits)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def edge_chunk_size(
+    num_edges: int, heads: int, channels: int, dtype: torch.dtype, chunk_bytes: int
+) -> int:
+    """Edges per chunk so that the chunk temporaries alive at once (at most
+    `_LIVE_CHUNK_TENSORS` tensors of chunk x heads x channels) total at most ``chunk_bytes``."""
+    per_edge = _LIVE_CHUNK_TENSORS * heads * channels * torch.finfo(_acc_dtype(dtype)).bits // 8
+    return max(1, min(max(num_edges, 1), int(chunk_bytes) // max(per_edge, 1)))
+
+
+def csr_destinations(rowptr: Tensor, num_edges: int) -> Tensor:
+    """Destination of every edge of a destination-sorted CSR (int64, E): recomputed, never
+    saved, because it costs one cheap pass and 8 bytes per edge to keep.
+
+    Edge k lies in row i = #{rows that end at or before k}: a cumulative sum of row-end marks
+    (faster than `repeat_interleave`, which has a large fixed cost on CPU)."""
+    num_dst = rowptr.numel() - 1
+    marks = torch.zeros(num_edges + 1, dtype=torch.int64, device=rowptr.device)
+    marks.index_add_(0, rowptr[1:], torch.ones(num_dst, dtype=torch.int64, device=rowptr.device))
+    return marks[:num_edges].cumsum_(0)
+
+
+def draw_seed() -> int:
+    """A dropout seed from PyTorch's default CPU generator (so `torch.manual_seed` makes a run
+    reproducible)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def attention_keep_mask(seed: int, shape: tuple[int, ...], p: float, device) -> Tensor:
+    """The attention-dropout keep mask (True = kept) regenerated from ``seed``: the same
+    seed, shape and device always give the same mask, in forward and in backward."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return torch.rand(shape, generator=gen, device=device) >= p
+
+
+def _dropout_scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def _segment_softmax(logit: Tensor, dst: Tensor, num_dst: int) -> Tensor:
+    """PyG's `softmax(src, index)` (same formula: max shift, +1e-16 in the denominator)."""
+    idx = dst.unsqueeze(-1).expand_as(logit)
+    m = logit.new_zeros(num_dst, logit.size(1))
+    m.scatter_reduce_(0, idx, logit, reduce="amax", include_self=False)
+    ex = (logit - m.index_select(0, dst)).exp_()
+    del m
+    s = logit.new_zeros(num_dst, logit.size(1)).index_add_(0, dst, ex).add_(1e-16)
+    return ex.div_(s.index_select(0, dst))
+
+
+def _softmax_backward(alpha: Tensor, grad_alpha: Tensor, dst: Tensor, num_dst: int) -> Tensor:
+    dot = alpha.new_zeros(num_dst, alpha.size(1)).index_add_(0, dst, alpha * grad_alpha)
+    return (grad_alpha - dot.index_select(0, dst)).mul_(alpha)
+
+
+def _leaky_relu_backward_(grad: Tensor, pre: Tensor, negative_slope: float) -> Tensor:
+    """In place: grad * (pre > 0 ? 1 : slope), exactly as ATen's leaky_relu_backward."""
+    return grad.mul_(_leaky_relu_slope(pre, negative_slope, grad.dtype))
+
+
+def _leaky_relu_slope(pre: Tensor, negative_slope: float, dtype: torch.dtype) -> Tensor:
+    """d leaky_relu(pre) / d pre: 1 where pre > 0, else the slope (exact in ``dtype``)."""
+    return torch.full(pre.shape, negative_slope, dtype=dtype, device=pre.device).masked_fill_(
+        pre > 0, 1.0
+    )
+
+
+def _apply_dropout(alpha: Tensor, p: float, seed: int | None) -> tuple[Tensor, Tensor | None]:
+    """(alpha after attention dropout, keep mask or None)."""
+    if p <= 0.0:
+        return alpha, None
+    keep = attention_keep_mask(seed, tuple(alpha.shape), p, alpha.device)
+    return alpha * keep * _dropout_scale(p), keep
+
+
+def _aggregate(
+    x_src: Tensor, beta: Tensor, col: Tensor, dst: Tensor, num_dst: int, chunk: int
+) -> Tensor:
+    """out[d] = sum over edges e into d of beta[e] * x_src[col[e]], in edge chunks."""
+    _, heads, channels = x_src.shape
+    acc = _acc_dtype(x_src.dtype)
+    out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_src.device)
+    beta = beta.to(acc)
+    for s in range(0, col.numel(), chunk):
+        e = min(s + chunk, col.numel())
+        msg = x_src.index_select(0, col[s:e]).to(acc)
+        msg.mul_(beta[s:e].unsqueeze(-1))
+        out.index_add_(0, dst[s:e], msg)
+        del msg
+    return out
+
+
+def _aggregate_backward(
+    x_src: Tensor,
+    beta: Tensor,
+    grad_out: Tensor,
+    col: Tensor,
+    dst: Tensor,
+    chunk: int,
+    need_x: bool,
+) -> tuple[Tensor | None, Tensor]:
+    """(grad x_src, grad beta) of `_aggregate`; two chunk tensors alive at a time."""
+    num_edges = col.numel()
+    heads, channels = x_src.shape[1:]
+    acc = _acc_dtype(x_src.dtype)
+    grad_beta = torch.empty(num_edges, heads, dtype=acc, device=x_src.device)
+    grad_x = torch.zeros(x_src.shape, dtype=acc, device=x_src.device) if need_x else None
+    beta = beta.to(acc)
+    for s in range(0, num_edges, chunk):
+        e = min(s + chunk, num_edges)
+        g = grad_out.index_select(0, dst[s:e]).to(acc)
+        xs = x_src.index_select(0, col[s:e]).to(acc)
+        # grad beta[e] = <grad_out[dst_e], x_src[src_e]> (per head) ...
+        torch.sum(xs.mul_(g), dim=-1, out=grad_beta[s:e])
+        del xs
+        # ... and grad x_src[src_e] += beta[e] * grad_out[dst_e].
+        if grad_x is not None:
+            grad_x.index_add_(0, col[s:e], g.mul_(beta[s:e].unsqueeze(-1)))
+        del g
+    return grad_x, grad_beta
+
+
+def _unpack_seed(p: float, seed: int | None) -> int | None:
+    if p > 0.0 and seed is None:
+        raise ValueError("attention dropout > 0 needs a seed (see draw_seed)")
+    return seed
+
+
+def _check_common(x: Tensor, rowptr: Tensor, col: Tensor, p: float) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"projected features must be N x H x C, got shape {tuple(x.shape)}")
+    if rowptr.dim() != 1 or col.dim() != 1:
+        raise ValueError("rowptr and col must be 1-D (destination-sorted CSR)")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {p}")
+
+
+# ---------------------------------------------------------------------------- GAT
+def _gat_logits(
+    a_src: Tensor, a_dst: Tensor | None, col: Tensor, dst: Tensor, acc: torch.dtype
+) -> Tensor:
+    logit = a_src.index_select(0, col).to(acc)
+    if a_dst is not None:
+        logit = logit.add_(a_dst.index_select(0, dst).to(acc))
+    return logit
+
+
+class GatAttentionFunction(torch.autograd.Function):
+    """The edge stage of `GATConv` on a destination-sorted CSR.
+
+    ``forward(x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes)``:
+    ``x_src`` N_src x H x C projected source features, ``a_src`` N_src x H and ``a_dst``
+    N_dst x H (or None) node logits, ``rowptr`` (N_dst + 1) and ``col`` (E, source of each edge)
+    the CSR, ``dropout`` the attention-dropout probability (0 outside training) with its
+    ``seed``. Returns N_dst x H x C: ``out[i] = sum_j dropout(softmax_j(leaky_relu(a_src[j] +
+    a_dst[i]))) * x_src[j]``. Saves ``x_src``, ``a_src``, ``a_dst``, ``rowptr``, ``col``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes):
+        _check_common(x_src, rowptr, col, dropout)
+        seed = _unpack_seed(dropout, seed)
+        num_edges, num_dst = col.numel(), rowptr.numel() - 1
+        heads, channels = x_src.shape[1:]
+        acc = _acc_dtype(torch.promote_types(x_src.dtype, a_src.dtype))
+        chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, chunk_bytes)
+        dst = csr_destinations(rowptr, num_edges)
+        logit = _gat_logits(a_src, a_dst, col, dst, acc)
+        alpha = _segment_softmax(F.leaky_relu(logit, negative_slope), dst, num_dst)
+        del logit
+        beta, _ = _apply_dropout(alpha, dropout, seed)
+        del alpha
+        out = _aggregate(x_src, beta, col, dst, num_dst, chunk)
+
+        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col)
+        ctx.negative_slope = float(negative_slope)
+        ctx.dropout = float(dropout)
+        ctx.seed = seed
+        ctx.chunk_bytes = int(chunk_bytes)
+        # PyG's message alpha * x_j promotes (e.g. bf16 features, fp32 logits under autocast).
+        return out.to(torch.promote_types(x_src.dtype, a_src.dtype))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x_src, a_src, a_dst, rowptr, col = ctx.saved_tensors
+        need_x, need_src, need_dst = ctx.needs_input_grad[:3]
+        num_edges, num_dst = col.numel(), rowptr.numel() - 1
+        heads, channels = x_src.shape[1:]
+        acc = _acc_dtype(torch.promote_types(x_src.dtype, a_src.dtype))
+        chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes)
+        dst = csr_destinations(rowptr, num_edges)
+
+        # Recompute the edge stage (E x H, transient).
+        logit = _gat_logits(a_src, a_dst, col, dst, acc)
+        alpha = _segment_softmax(F.leaky_relu(logit, ctx.negative_slope), dst, num_dst)
+        beta, keep = _apply_dropout(alpha, ctx.dropout, ctx.seed)
+
+        grad_x, grad_beta = _aggregate_backward(x_src, beta, grad_out, col, dst, chunk, need_x)
+        del beta
+        grad_a_src = grad_a_dst = None
+        if need_src or need_dst:
+            grad_alpha = grad_beta
+            if keep is not None:
+                grad_alpha = grad_alpha.mul_(keep).mul_(_dropout_scale(ctx.dropout))
+            grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
+            del alpha, grad_alpha, grad_beta
+            _leaky_relu_backward_(grad_logit, logit, ctx.negative_slope)
+            if need_src:
+                grad_a_src = torch.zeros(a_src.shape, dtype=acc, device=a_src.device)
+                grad_a_src.index_add_(0, col, grad_logit)
+                grad_a_src = grad_a_src.to(a_src.dtype)
+            if need_dst:
+                grad_a_dst = torch.zeros(a_dst.shape, dtype=acc, device=a_dst.device)
+                grad_a_dst.index_add_(0, dst, grad_logit)
+                grad_a_dst = grad_a_dst.to(a_dst.dtype)
+        if grad_x is not None:
+            grad_x = grad_x.to(x_src.dtype)
+        return grad_x, grad_a_src, grad_a_dst, None, None, None, None, None, None
+
+
+def gat_attention(
+    x_src: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Tensor:
+    """`GatAttentionFunction` with a fresh dropout seed drawn when ``dropout > 0`` and none is
+    given."""
+    if dropout > 0.0 and seed is None:
+        seed = draw_seed()
+    return GatAttentionFunction.apply(
+        x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes
+    )
+
+
+def gat_attention_reference(
+    x_src: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: int | None = None,
+) -> Tensor:
+    """Stock-autograd oracle of `gat_attention` (materializes E x H x C; tests only)."""
+    dst = csr_destinations(rowptr, col.numel())
+    logit = a_src[col] if a_dst is None else a_src[col] + a_dst[dst]
+    logit = F.leaky_relu(logit, negative_slope)
+    return _attend_reference(logit, x_src, col, dst, rowptr.numel() - 1, dropout, seed)
+
+
+def _attend_reference(logit, x_src, col, dst, num_dst, dropout, seed) -> Tensor:
+    """Stock-autograd softmax (PyG's formula), dropout and aggregation."""
+    zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
+    idx = dst.unsqueeze(-1).expand_as(logit)
+    m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
+    ex = (logit - m[dst]).exp()
+    alpha = ex / (zeros.index_add(0, dst, ex) + 1e-16)[dst]
+    if dropout > 0.0:
+        alpha = alpha * attention_keep_mask(seed, tuple(alpha.shape), dropout, alpha.device)
+        alpha = alpha * _dropout_scale(dropout)
+    msg = alpha.unsqueeze(-1) * x_src[col]
+    out = torch.zeros(num_dst, *x_src.shape[1:], dtype=msg.dtype, device=msg.device)
+    return out.index_add(0, dst, msg)
+
+
+# ---------------------------------------------------------------------------- GATv2
+def _gatv2_logits(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    col: Tensor,
+    dst: Tensor,
+    negative_slope: float,
+    chunk: int,
+) -> Tensor:
+    """logit[e] = <att, leaky_relu(x_l[src_e] + x_r[dst_e])> per head, in edge chunks."""
+    acc = _acc_dtype(x_l.dtype)
+    heads, channels = x_l.shape[1:]
+    att = att.reshape(1, heads, channels).to(acc)
+    logit = torch.empty(col.numel(), heads, dtype=acc, device=x_l.device)
+    for s in range(0, col.numel(), chunk):
+        e = min(s + chunk, col.numel())
+        z = x_r.index_select(0, dst[s:e]).to(acc)
+        z.add_(x_l.index_select(0, col[s:e]))
+        F.leaky_relu(z, negative_slope, inplace=True)
+        torch.sum(z.mul_(att), dim=-1, out=logit[s:e])
+        del z
+    return logit
+
+
+class GatV2AttentionFunction(torch.autograd.Function):
+    """The edge stage of `GATv2Conv` on a destination-sorted CSR.
+
+    ``forward(x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes)``:
+    ``x_l`` N_src x H x C (source, also the message), ``x_r`` N_dst x H x C, ``att`` 1 x H x C.
+    Returns ``out[i] = sum_j dropout(softmax_j(<att, leaky_relu(x_l[j] + x_r[i])>)) * x_l[j]``.
+    Saves ``x_l``, ``x_r``, ``att``, ``rowptr``, ``col``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes):
+        _check_common(x_l, rowptr, col, dropout)
+        seed = _unpack_seed(dropout, seed)
+        num_edges, num_dst = col.numel(), rowptr.numel() - 1
+        heads, channels = x_l.shape[1:]
+        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes)
+        dst = csr_destinations(rowptr, num_edges)
+        logit = _gatv2_logits(x_l, x_r, att, col, dst, negative_slope, chunk)
+        alpha = _segment_softmax(logit, dst, num_dst)
+        del logit
+        beta, _ = _apply_dropout(alpha, dropout, seed)
+        del alpha
+        out = _aggregate(x_l, beta, col, dst, num_dst, chunk)
+
+        ctx.save_for_backward(x_l, x_r, att, rowptr, col)
+        ctx.negative_slope = float(negative_slope)
+        ctx.dropout = float(dropout)
+        ctx.seed = seed
+        ctx.chunk_bytes = int(chunk_bytes)
+        return out.to(torch.promote_types(x_l.dtype, att.dtype))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x_l, x_r, att, rowptr, col = ctx.saved_tensors
+        need_l, need_r, need_att = ctx.needs_input_grad[:3]
+        num_edges, num_dst = col.numel(), rowptr.numel() - 1
+        heads, channels = x_l.shape[1:]
+        acc = _acc_dtype(x_l.dtype)
+        slope = ctx.negative_slope
+        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, ctx.chunk_bytes)
+        dst = csr_destinations(rowptr, num_edges)
+
+        logit = _gatv2_logits(x_l, x_r, att, col, dst, slope, chunk)
+        alpha = _segment_softmax(logit, dst, num_dst)
+        del logit
+        beta, keep = _apply_dropout(alpha, ctx.dropout, ctx.seed)
+        grad_l, grad_beta = _aggregate_backward(x_l, beta, grad_out, col, dst, chunk, need_l)
+        del beta
+        grad_r = grad_att = None
+        if need_l or need_r or need_att:
+            grad_alpha = grad_beta
+            if keep is not None:
+                grad_alpha = grad_alpha.mul_(keep).mul_(_dropout_scale(ctx.dropout))
+            grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
+            del alpha, grad_alpha, grad_beta
+            att_acc = att.reshape(1, heads, channels).to(acc)
+            if need_r:
+                grad_r = torch.zeros(x_r.shape, dtype=acc, device=x_r.device)
+            if need_att:
+                grad_att = torch.zeros(heads, channels, dtype=acc, device=att.device)
+            for s in range(0, num_edges, chunk):
+                e = min(s + chunk, num_edges)
+                z = x_r.index_select(0, dst[s:e]).to(acc)
+                z.add_(x_l.index_select(0, col[s:e]))
+                gl = grad_logit[s:e]
+                if need_att:
+                    # grad att[h, c] += sum_e grad_logit[e, h] * leaky_relu(z)[e, h, c]
+                    grad_att += torch.einsum("eh,ehc->hc", gl, F.leaky_relu(z, slope))
+                # grad z = grad_logit * att * leaky_relu'(z), reusing z's buffer.
+                slope_of_z = _leaky_relu_slope(z, slope, acc)
+                torch.mul(gl.unsqueeze(-1), att_acc, out=z)
+                z.mul_(slope_of_z)
+                del slope_of_z
+                if grad_l is not None:
+                    grad_l.index_add_(0, col[s:e], z)
+                if grad_r is not None:
+                    grad_r.index_add_(0, dst[s:e], z)
+                del z
+        if grad_l is not None:
+            grad_l = grad_l.to(x_l.dtype)
+        if grad_r is not None:
+            grad_r = grad_r.to(x_r.dtype)
+        if grad_att is not None:
+            grad_att = grad_att.reshape(att.shape).to(att.dtype)
+        return grad_l, grad_r, grad_att, None, None, None, None, None, None
+
+
+def gatv2_attention(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Tensor:
+    """`GatV2AttentionFunction` with a fresh dropout seed when ``dropout > 0`` and none given."""
+    if dropout > 0.0 and seed is None:
+        seed = draw_seed()
+    return GatV2AttentionFunction.apply(
+        x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes
+    )
+
+
+def gatv2_attention_reference(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: int | None = None,
+) -> Tensor:
+    """Stock-autograd oracle of `gatv2_attention` (materializes E x H x C; tests only)."""
+    dst = csr_destinations(rowptr, col.numel())
+    z = F.leaky_relu(x_l[col] + x_r[dst], negative_slope)
+    logit = (z * att.reshape(1, *x_l.shape[1:])).sum(-1)
+    return _attend_reference(logit, x_l, col, dst, rowptr.numel() - 1, dropout, seed)
+
+
+# ---------------------------------------------------------------------------- PyG patching
+def _chunk_bytes(ctl) -> int:
+    return int(ctl.config.extra.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+
+
+def _message_passing_reason(module, edge_index) -> str | None:
+    """Why a MessagePassing call must take PyG's own path (None: the fused path is exact)."""
+    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+        return "sparse adj"
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        return "edge_index shape"
+    if getattr(module, "aggr", "add") not in ("add", "sum"):
+        return f"aggr={module.aggr}"
+    return message_passing_reason(module)
+
+
+def _square_nodes(x) -> tuple[int | None, str | None]:
+    """(number of nodes, None) when source and destination node sets are one and the same
+    size; (None, reason) otherwise."""
+    if isinstance(x, Tensor):
+        return (x.size(0), None) if x.dim() == 2 else (None, "x shape")
+    if isinstance(x, (tuple, list)) and len(x) == 2:
+        x_s, x_d = x
+        if not isinstance(x_s, Tensor) or not isinstance(x_d, Tensor) or x_s.dim() != 2:
+            return None, "bipartite"
+        if x_s.size(0) != x_d.size(0):
+            return None, "bipartite"
+        return x_s.size(0), None
+    return None, "x type"
+
+
+def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights) -> str | None:
+    if return_attention_weights:
+        return "return_attention_weights"
+    if edge_attr is not None and module.lin_edge is not None:
+        return "edge_attr"
+    reason = _message_passing_reason(module, edge_index)
+    if reason is not None:
+        return reason
+    num_nodes, reason = _square_nodes(x)
+    if reason is not None:
+        return reason
+    if size is not None and tuple(size) != (num_nodes, num_nodes):
+        return "size"
+    return None
+
+
+def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
+    """`GATConv.forward` (PyG 2.8.1) with the edge stage replaced by `GatAttentionFunction`."""
+    heads, channels = module.heads, module.out_channels
+    res = None
+    if isinstance(x, Tensor):
+        if module.res is not None:
+            res = module.res(x)
+        if module.lin is not None:
+            x_src = x_dst = module.lin(x).view(-1, heads, channels)
+        else:
+            x_src = module.lin_src(x).view(-1, heads, channels)
+            x_dst = module.lin_dst(x).view(-1, heads, channels)
+    else:
+        x_s, x_d = x
+        if module.res is not None:
+            res = module.res(x_d)
+        if module.lin is not None:
+            x_src = module.lin(x_s).view(-1, heads, channels)
+            x_dst = module.lin(x_d).view(-1, heads, channels)
+        else:
+            x_src = module.lin_src(x_s).view(-1, heads, channels)
+            x_dst = module.lin_dst(x_d).view(-1, heads, channels)
+
+    a_src = (x_src * module.att_src).sum(dim=-1)
+    a_dst = (x_dst * module.att_dst).sum(dim=-1)
+    # The softmax of quantized logits would be far off and they are small (N x H): lossless.
+    if torch.is_grad_enabled():  # (nothing is saved otherwise)
+        ctl.keep_lossless(a_src, "activation")
+        ctl.keep_lossless(a_dst, "activation")
+
+    adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops)
+    p = float(module.dropout) if module.training else 0.0
+    out = gat_attention(
+        x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p,
+        chunk_bytes=_chunk_bytes(ctl),
+    )  # fmt: skip
+    out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
+    if res is not None:
+        out = out + res
+    if module.bias is not None:
+        out = out + module.bias
+    return out
+
+
+def _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights) -> str | None:
+    if return_attention_weights:
+        return "return_attention_weights"
+    if edge_attr is not None and module.lin_edge is not None:
+        return "edge_attr"
+    reason = _message_passing_reason(module, edge_index)
+    if reason is not None:
+        return reason
+    _, reason = _square_nodes(x)
+    return reason
+
+
+def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
+    """`GATv2Conv.forward` (PyG 2.8.1) with the edge stage replaced by
+    `GatV2AttentionFunction`."""
+    heads, channels = module.heads, module.out_channels
+    res = None
+    if isinstance(x, Tensor):
+        if module.res is not None:
+            res = module.res(x)
+        x_l = module.lin_l(x).view(-1, heads, channels)
+        x_r = x_l if module.share_weights else module.lin_r(x).view(-1, heads, channels)
+    else:
+        x_s, x_d = x
+        if module.res is not None:
+            res = module.res(x_d)
+        x_l = module.lin_l(x_s).view(-1, heads, channels)
+        x_r = module.lin_r(x_d).view(-1, heads, channels)
+
+    adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops)
+    p = float(module.dropout) if module.training else 0.0
+    out = gatv2_attention(
+        x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
+        chunk_bytes=_chunk_bytes(ctl),
+    )  # fmt: skip
+    out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
+    if res is not None:
+        out = out + res
+    if module.bias is not None:
+        out = out + module.bias
+    return out
+
+
+@register_patcher(GATConv)
+def patch_gat_conv(ctl, path: str, module) -> None:
+    """Run ``module`` (a `GATConv`) through `GatAttentionFunction` whenever that is exact;
+    other calls (edge features, attention weights requested, sparse adjacency types, bipartite
+    graphs of two sizes, explain mode, message hooks) take PyG's own forward, and
+    ``ctl.module_paths[path]`` says which ran last."""
+    original = module.forward
+
+    def forward(x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+        reason = _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights)
+        if reason is not None:
+            ctl.module_paths[path] = f"generic ({reason})"
+            return original(x, edge_index, edge_attr, size, return_attention_weights)
+        ctl.module_paths[path] = "sparse-fused"
+        return _gat_fused_forward(ctl, module, x, edge_index)
+
+    install_forward(ctl, path, module, forward)
+
+
+@register_patcher(GATv2Conv)
+def patch_gatv2_conv(ctl, path: str, module) -> None:
+    """`patch_gat_conv` for `GATv2Conv` (`GatV2AttentionFunction`)."""
+    original = module.forward
+
+    def forward(x, edge_index, edge_attr=None, return_attention_weights=None):
+        reason = _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights)
+        if reason is not None:
+            ctl.module_paths[path] = f"generic ({reason})"
+            return original(x, edge_index, edge_attr, return_attention_weights)
+        ctl.module_paths[path] = "sparse-fused"
+        return _gatv2_fused_forward(ctl, module, x, edge_index)
+
+    install_forward(ctl, path, module, forward)
+
+
+def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool):
+    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop).
+    return get_adjacency(
+        ctl, edge_index, num_nodes, add_self_loops=add_self_loops, normalize=False,
+        loop_mode="replace",
+    )  # fmt: skip

@@ -1,0 +1,189 @@
+"""Fused message passing ``out = A @ x`` on a shared `CompactAdjacency`.
+
+Stock PyG gathers ``x_j = x[src]`` (E x F), multiplies by the edge weight and scatters, and
+autograd keeps the edge index and weights of every layer for backward. `SpmmFunction` does one
+sparse-dense product instead:
+
+- forward saves nothing node-level when the edge weights need no gradient: only the shared
+  adjacency (the same tensors for every layer, so the controller stores and counts them once);
+- backward computes ``grad_x = A^T @ grad_out`` with the adjacency's cached transpose
+  (`torch.sparse.mm` on CSR), never an E x F temporary: peak O(N x F + E);
+- with learnable edge weights it saves the input ``x`` (which the controller compresses) and
+  computes ``grad_w[e] = <grad_out[dst_e], x[src_e]>`` in bounded edge chunks.
+
+``reduce="mean"`` divides by the number of entries per row, as PyG's mean aggregation (rows
+without entries give 0). CUDA runs the same code (cuSPARSE CSR products); no Triton kernel is
+used here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from gact_graph.sparse.adjacency import CompactAdjacency
+
+__all__ = ["SpmmFunction", "spmm", "spmm_reference", "DEFAULT_CHUNK_BYTES"]
+
+#: Bytes of one edge chunk's temporaries (grad of learnable weights, reference path);
+#: ``compress_gnn(..., chunk_bytes=...)`` changes it.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+_REDUCES = ("sum", "add", "mean")
+
+
+def _chunk_edges(chunk_bytes: int, width: int, element_size: int) -> int:
+    return max(1, int(chunk_bytes) // max(1, 3 * width * element_size))
+
+
+def spmm_reference(
+    rowptr: Tensor,
+    col: Tensor,
+    weight: Tensor | None,
+    x: Tensor,
+    reduce: str = "sum",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Tensor:
+    """``A @ x`` by gather / ``index_add_`` in edge chunks, accumulated in at least fp32 (the oracle
+    and the fallback for dtypes the sparse library lacks)."""
+    n, e = rowptr.numel() - 1, col.numel()
+    x2 = x.reshape(x.size(0), -1)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    acc = torch.zeros(n, x2.size(1), dtype=acc_dtype, device=x.device)
+    if e:
+        dst = torch.repeat_interleave(
+            torch.arange(n, device=x.device), rowptr[1:] - rowptr[:-1], output_size=e
+        )
+        step = _chunk_edges(chunk_bytes, x2.size(1), 4)
+        for s in range(0, e, step):
+            msg = x2.index_select(0, col[s : s + step].long()).to(acc_dtype)
+            if weight is not None:
+                msg = msg * weight[s : s + step].to(acc_dtype).unsqueeze(-1)
+            acc.index_add_(0, dst[s : s + step], msg)
+    if reduce == "mean":
+        acc = acc / (rowptr[1:] - rowptr[:-1]).clamp(min=1).unsqueeze(-1).to(acc.dtype)
+    return acc.to(x.dtype).reshape(n, *x.shape[1:])
+
+
+def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor) -> Tensor:
+    """``A @ x`` with A = (adj structure, values): a CSR product, O(N x F + E) memory."""
+    n = adj.num_nodes
+    x2 = x.reshape(x.size(0), -1)
+    if adj.num_edges == 0 or x2.size(1) == 0:
+        return x.new_zeros((n, *x.shape[1:]))
+    dtype = x.dtype
+    compute = dtype
+    if x.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        compute = torch.float32  # MKL's CSR product has no half kernels on CPU
+    a = adj.to_torch_csr(values, dtype=compute)
+    out = torch.sparse.mm(a, x2.to(compute)).to(dtype)
+    if x.dim() != 2:
+        # a fresh tensor, not a view: callers (GCN2Conv) modify the output in place
+        out = out.reshape(n, *x.shape[1:]).clone()
+    return out
+
+
+class SpmmFunction(torch.autograd.Function):
+    """``out = reduce_j A[i, j] * x[j]`` (``reduce`` in sum/add/mean) for a `CompactAdjacency`.
+
+    ``weight`` (optional, CSR order) replaces ``adj.weight``; when it requires grad its
+    gradient is computed (chunked). The adjacency's tensors are saved through
+    ``ctx.save_for_backward`` so the controller stores (by reference) and counts them once
+    however many layers share them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, adj, reduce, chunk_bytes):
+        if reduce not in _REDUCES:
+            raise ValueError(f"reduce must be one of {_REDUCES}, got {reduce!r}")
+        if x.size(0) != adj.num_nodes:
+            raise ValueError(f"x has {x.size(0)} rows, the adjacency {adj.num_nodes} nodes")
+        values = adj.weight if weight is None else weight
+        if values is not None and values.numel() != adj.num_edges:
+            raise ValueError("weight must hold one value per edge (CSR order)")
+        out = _csr_mm(adj, values, x)
+        if reduce == "mean":
+            out = out / adj.degree().clamp(min=1).to(out.dtype).view(-1, *[1] * (x.dim() - 1))
+
+        need_x = ctx.needs_input_grad[0]
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        ctx.adj, ctx.reduce, ctx.chunk_bytes = adj, reduce, chunk_bytes
+        ctx.need_x, ctx.need_w = need_x, need_w
+        ctx.has_weight = weight is not None
+        ctx.x_shape = x.shape
+        saved: list[Tensor] = []
+        if need_x or need_w:
+            if need_x:
+                adj.transpose()  # built once per graph, then shared by every layer
+            saved += adj.tensors()
+            ctl = adj._ctl_ref() if adj._ctl_ref is not None else None
+            if weight is not None:
+                if ctl is not None:  # edge weights are part of the adjacency: never quantized
+                    ctl.keep_lossless(weight, "index")
+                saved.append(weight)
+            if need_w:
+                saved.append(x)  # the only node-level tensor: the controller compresses it
+        ctx.n_adj = len(saved) - int(weight is not None) - int(need_w)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors  # unpacks (and version-checks) what the controller holds
+        adj: CompactAdjacency = ctx.adj
+        k = ctx.n_adj
+        weight = saved[k] if ctx.has_weight else None
+        x = saved[k + 1] if ctx.need_w else None
+        g = grad_out.reshape(grad_out.size(0), -1)
+        if ctx.reduce == "mean":
+            g = g / adj.degree().clamp(min=1).to(g.dtype).unsqueeze(-1)
+
+        grad_x = grad_w = None
+        if ctx.need_x:
+            at = adj.transpose()
+            if weight is None:
+                t_values = at.weight
+            else:
+                t_perm = adj.transpose_perm()
+                t_values = weight if t_perm is None else weight[t_perm]
+            grad_x = _csr_mm(at, t_values, g).reshape(ctx.x_shape)
+        if ctx.need_w:
+            grad_w = _edge_dot(adj, g, x.reshape(x.size(0), -1), ctx.chunk_bytes)
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def _edge_dot(adj: CompactAdjacency, g: Tensor, x: Tensor, chunk_bytes: int) -> Tensor:
+    """``out[e] = <g[dst_e], x[src_e]>`` in CSR order, in edge chunks (never E x F)."""
+    e = adj.num_edges
+    out = torch.empty(e, dtype=torch.promote_types(g.dtype, x.dtype), device=g.device)
+    if e == 0:
+        return out
+    dst = adj.dst_index()
+    step = _chunk_edges(chunk_bytes, g.size(1), g.element_size())
+    for s in range(0, e, step):
+        gi = g.index_select(0, dst[s : s + step])
+        xj = x.index_select(0, adj.col[s : s + step].long())
+        out[s : s + step] = (gi * xj).sum(-1)
+    return out
+
+
+def spmm(
+    adj: CompactAdjacency,
+    x: Tensor,
+    weight: Tensor | None = None,
+    reduce: str = "sum",
+    chunk_bytes: int | None = None,
+) -> Tensor:
+    """``A @ x`` (``reduce`` sum/add/mean) through `SpmmFunction`; ``weight`` in CSR order
+    overrides ``adj.weight`` (e.g. learnable weights from `differentiable_edge_weight`)."""
+    if chunk_bytes is None:
+        ctl = adj._ctl_ref() if adj._ctl_ref is not None else None
+        config = getattr(ctl, "config", None)
+        chunk_bytes = DEFAULT_CHUNK_BYTES
+        if config is not None:
+            chunk_bytes = int(config.extra.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+    if weight is not None and weight.dtype != x.dtype and not weight.requires_grad:
+        weight = weight.to(x.dtype)
+    return SpmmFunction.apply(x, weight, adj, reduce, chunk_bytes)

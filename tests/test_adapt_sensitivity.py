@@ -1,0 +1,234 @@
+"""Sensitivity estimation: the one-pass probe against GACT's Algorithm 1 (two seeds per tensor)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch_geometric.nn import GCNConv
+
+from gact_graph import compress_gnn
+from gact_graph.models import GAT
+from gact_graph.quantize import quantize
+from gact_graph.sensitivity import (
+    S,
+    SensitivityProbe,
+    _flat_grads,
+    element_step,
+    per_element,
+    probe_sensitivity,
+    spearman,
+    two_seed_sensitivity,
+)
+
+
+def _graph(n=300, e=1800, f=16, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ei = torch.randint(0, n, (2, e), generator=g)
+    return torch.randn(n, f, generator=g), ei, torch.randint(0, classes, (n,), generator=g)
+
+
+class _WideNarrowGCN(nn.Module):
+    """GCN with widths that change a lot from layer to layer (so sensitivities spread)."""
+
+    def __init__(self, widths=(16, 96, 24, 8, 4)):
+        super().__init__()
+        self.convs = nn.ModuleList(GCNConv(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.bns = nn.ModuleList(nn.BatchNorm1d(b) for b in widths[1:-1])
+
+    def forward(self, x, edge_index):
+        for conv, bn in zip(self.convs[:-1], self.bns):
+            x = torch.relu(bn(conv(x, edge_index)))
+            x = nn.functional.dropout(x, 0.3, self.training)
+        return self.convs[-1](x, edge_index)
+
+
+def _step_fn(model, x, ei, y):
+    def step():
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x, ei), y).backward()
+
+    return step
+
+
+def _averaged_probe(ctl, step, k):
+    state = torch.get_rng_state()
+    runs = []
+    for seed in range(k):
+        torch.set_rng_state(state)  # same dropout as Algorithm 1 sees
+        runs.append(probe_sensitivity(ctl, step, seed=seed))
+    torch.set_rng_state(state)
+    return {n: sum(r[n] for r in runs) / k for n in runs[0]}
+
+
+def test_element_step_is_the_rounding_step_of_each_group():
+    for shape in [(100, 24), (37, 300), (1000,), (6, 5, 40), ()]:
+        x = torch.randn(shape) * (torch.linspace(0.1, 5, shape[-1]) if shape else 1.0)
+        q = quantize(x, 2, group_size=64, seed=1)
+        lo, scale = q.group_params()
+        step, lo_el = element_step(q), per_element(q, lo)
+        assert step.shape == x.shape == lo_el.shape
+        x_hat = q.dequantize()
+        ok = step > 0
+        codes = (x_hat - lo_el)[ok] / step[ok]
+        # every value is its group's minimum plus a whole number (0..3) of its group's steps
+        assert torch.allclose(codes, codes.round(), atol=1e-3)
+        if codes.numel():
+            assert codes.round().min() >= 0 and codes.round().max() <= 3
+        assert ((x_hat - x).abs() <= step * (1 + 1e-3) + 1e-6).all()
+
+
+def test_probe_is_exact_in_expectation_for_a_linear_layer():
+    # grad_W = G^T X: E||G^T eps||^2 = sum_n ||G_n||^2 sum_k step_nk^2 / 6 (GACT's analysis)
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 6, bias=False)
+    x0 = torch.randn(500, 32)
+    pre = nn.Linear(32, 48)
+    model = nn.Sequential(pre, lin)  # pre's output is read in backward by lin only
+    target = torch.randn(500, 6)
+    ctl = compress_gnn(model, bits=4, min_numel=0, sparse=False, pointwise=False)
+    g_out = {}
+    lin.register_full_backward_hook(lambda m, gi, go: g_out.__setitem__("G", go[0].detach()))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x0), target).backward()
+
+    step()
+    (rec,) = [r for r in ctl.stats()["tensors"] if r["kind"] == "activation"]
+    name = rec["name"]
+    assert rec["bits"] == 4
+    # the analytical value, from the stored groups and the incoming gradient
+    captured = {}
+    orig = ctl._pack
+
+    def spy(t):
+        s = orig(t)
+        captured[s.name] = s
+        return s
+
+    ctl._pack = spy
+    step()
+    del ctl._pack
+    q = captured[name].payload
+    step_el = element_step(q)
+    x_hat = q.dequantize()
+    var_unit = torch.where(x_hat == 0, 0.0, step_el.square() / 6) * (2**4 - 1) ** 2
+    analytic = float((g_out["G"].square().sum(1, keepdim=True) * var_unit).sum())
+    est = sum(probe_sensitivity(ctl, step, seed=s)[name] for s in range(8)) / 8
+    assert est == pytest.approx(analytic, rel=0.1)
+    ref = two_seed_sensitivity(ctl, step, names=[name], repeats=4)[name]
+    assert ref == pytest.approx(analytic, rel=0.35)  # Alg. 1 sees the true f(1-f), not 1/6
+    ctl.remove()
+
+
+def test_probe_agrees_with_algorithm_1_on_a_small_gcn():
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = _WideNarrowGCN()
+    ctl = compress_gnn(model, bits=4, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    step()
+    ref = two_seed_sensitivity(ctl, step, repeats=4)
+    est = _averaged_probe(ctl, step, 4)
+    names = sorted(ref)
+    assert len(names) >= 5 and set(est) == set(names)
+    rho = spearman([ref[n] for n in names], [est[n] for n in names])
+    assert rho > 0.8, (rho, ref, est)
+    ratios = sorted(est[n] / ref[n] for n in names if ref[n] > 0)
+    assert 0.5 < ratios[len(ratios) // 2] < 2.0  # same scale, not only the same ranks
+    ctl.remove()
+
+
+def test_probe_agrees_with_algorithm_1_on_a_small_gat():
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = GAT(16, 8, 4, num_layers=3, heads=2, dropout=0.3, attn_dropout=0.1, batch_norm=True)
+    ctl = compress_gnn(model, bits=4, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    step()
+    ref = two_seed_sensitivity(ctl, step, repeats=4)
+    est = _averaged_probe(ctl, step, 4)
+    names = sorted(ref)
+    assert len(names) >= 5 and set(est) == set(names)
+    rho = spearman([ref[n] for n in names], [est[n] for n in names])
+    assert rho > 0.8, (rho, ref, est)
+    ratios = sorted(est[n] / ref[n] for n in names if ref[n] > 0)
+    assert 0.5 < ratios[len(ratios) // 2] < 2.0
+    ctl.remove()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_sum_of_c_times_S_predicts_the_measured_compression_variance(bits):
+    # The additive model behind the allocator and the alert: Var[g] = sum_l c_l S(b_l).
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = _WideNarrowGCN()
+    ctl = compress_gnn(model, bits=bits, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    state = torch.get_rng_state()
+    step()
+    used = {r["name"]: r["bits"] for r in ctl.stats()["tensors"] if r["bits"]}
+    c = _averaged_probe(ctl, step, 2)
+    predicted = sum(c[n] * S(used[n]) for n in c)
+    params = list(model.parameters())
+    grads = []
+    for s in range(6):  # every tensor re-seeded: ctl.step enters every rounding seed
+        ctl.step = 1000 + s
+        torch.set_rng_state(state)
+        step()
+        grads.append(_flat_grads(params))
+    g = torch.stack(grads)
+    measured = float((g - g.mean(0)).square().sum()) / (len(grads) - 1)
+    assert 0.5 < measured / predicted < 2.0, (measured, predicted)
+    ctl.remove()
+
+
+def test_probing_leaves_the_training_gradient_unchanged():
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = _WideNarrowGCN()
+    ctl = compress_gnn(model, bits=2, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    state = torch.get_rng_state()
+    step()
+    ref = _flat_grads(list(model.parameters()))
+    torch.set_rng_state(state)
+    c = probe_sensitivity(ctl, step)
+    assert c and all(math.isfinite(v) and v >= 0 for v in c.values())
+    assert torch.equal(_flat_grads(list(model.parameters())), ref)
+    # and the probe leaves nothing behind
+    assert "_unpack" not in ctl.__dict__
+    ctl.remove()
+
+
+def test_probe_waits_for_a_forward_with_a_graph_and_counts_one_pass():
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = _WideNarrowGCN()
+    ctl = compress_gnn(model, bits=4, min_numel=256)
+    probe = SensitivityProbe(ctl, min_numel=256)
+    probe.arm()
+    with torch.no_grad():
+        model(x, ei)  # no graph: not hooked
+    assert not probe.hooked
+    calls = []
+    step = _step_fn(model, x, ei, y)
+
+    def counted():
+        calls.append(1)
+        step()
+
+    counted()
+    assert probe.hooked and probe.ran and len(calls) == 1
+    c = probe.result()
+    assert len(c) >= 5 and probe.grad_sq > 0
+    probe.close()
+    ctl.remove()
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [1, 1, 2]) == pytest.approx(1.0)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))

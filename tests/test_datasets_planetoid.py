@@ -1,0 +1,103 @@
+"""Planetoid loaders: the real Cora (copied from the shared read-only data) and tiny
+CiteSeer/PubMed files in the original ``ind.<name>.*`` pickle format."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from torch_geometric.utils import is_undirected
+
+from gact_graph.datasets import DatasetNotFoundError, load_dataset
+
+SHARED_CORA = "/work/shared/data/planetoid/Cora/raw"
+sp = pytest.importorskip("scipy.sparse")
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_CORA), reason="shared Cora files not present")
+def test_real_cora_public_split(tmp_path):
+    shutil.copytree(SHARED_CORA, tmp_path / "Cora" / "raw")
+    data = load_dataset("cora", root=tmp_path)
+
+    assert data.num_nodes == 2708
+    assert data.x.shape == (2708, 1433) and data.x.dtype == torch.float32
+    assert data.edge_index.size(1) == 10556  # 5,278 undirected edges after PyG's cleaning
+    assert is_undirected(data.edge_index, num_nodes=2708)
+    assert data.y.shape == (2708,) and data.y.dtype == torch.long
+    assert int(data.y.min()) == 0 and int(data.y.max()) == 6 and data.num_classes == 7
+    assert [int(m.sum()) for m in (data.train_mask, data.val_mask, data.test_mask)] == [
+        140,
+        500,
+        1000,
+    ]
+    assert torch.bincount(data.y[data.train_mask]).tolist() == [20] * 7
+    assert data.metric == "acc" and data.multilabel is False and data.name == "cora"
+
+
+def write_planetoid(raw_dir, prefix: str, *, gaps: bool, seed: int = 0) -> dict:
+    """Tiny ``ind.<prefix>.*`` files. Planetoid's public split needs 500 validation nodes
+    right after the training nodes, so the graph has ~560 nodes. ``gaps`` leaves test indices
+    unused, like CiteSeer's isolated nodes."""
+    rng = np.random.default_rng(seed)
+    num_classes, feats, num_train, num_all = 3, 5, 9, 530
+    test_index = np.arange(num_all, num_all + (40 if gaps else 30))
+    if gaps:
+        test_index = test_index[::4][:10].tolist() + test_index[1::4][:10].tolist()
+        test_index = np.array(sorted(test_index))
+    rng.shuffle(test_index)  # files list test nodes in arbitrary order
+
+    def onehot(n):
+        y = np.zeros((n, num_classes), dtype=np.int32)
+        y[np.arange(n), rng.integers(0, num_classes, n)] = 1
+        return y
+
+    allx = sp.csr_matrix(rng.random((num_all, feats)).astype(np.float32))
+    tx = sp.csr_matrix(rng.random((len(test_index), feats)).astype(np.float32))
+    ally, ty = onehot(num_all), onehot(len(test_index))
+    num_nodes = int(test_index.max()) + 1
+    graph = defaultdict(list)
+    for s, d in rng.integers(0, num_nodes, (800, 2)).tolist():
+        graph[s].append(d)
+    items = {
+        "x": allx[:num_train], "y": ally[:num_train], "allx": allx, "ally": ally,
+        "tx": tx, "ty": ty, "graph": graph,
+    }  # fmt: skip
+    os.makedirs(raw_dir)
+    for name, obj in items.items():
+        with open(os.path.join(raw_dir, f"ind.{prefix}.{name}"), "wb") as f:
+            pickle.dump(obj, f)
+    with open(os.path.join(raw_dir, f"ind.{prefix}.test.index"), "w") as f:
+        f.write("\n".join(map(str, test_index.tolist())) + "\n")
+    return {"num_nodes": num_nodes, "test_index": test_index, "ty": ty, "num_train": num_train}
+
+
+@pytest.mark.parametrize(("name", "folder", "gaps"), [
+    ("citeseer", "CiteSeer", True),
+    ("pubmed", "PubMed", False),
+])  # fmt: skip
+def test_tiny_planetoid_files(tmp_path, name, folder, gaps):
+    files = write_planetoid(tmp_path / folder / "raw", name, gaps=gaps)
+    data = load_dataset(name, root=tmp_path)
+    n = files["num_nodes"]
+    assert data.num_nodes == n and data.x.shape == (n, 5)
+    assert is_undirected(data.edge_index, num_nodes=n)
+    assert int(data.train_mask.sum()) == files["num_train"]
+    assert int(data.val_mask.sum()) == 500
+    assert int(data.test_mask.sum()) == len(files["test_index"])
+    test = torch.from_numpy(files["test_index"])
+    assert bool(data.test_mask[test].all())
+    # Test labels land on their listed node ids (the file order is not the node order).
+    assert torch.equal(data.y[test], torch.from_numpy(files["ty"].argmax(1)).long())
+    assert data.num_classes == {"citeseer": 6, "pubmed": 3}[name]
+
+
+def test_planetoid_missing_files_raise_clear_error(tmp_path):
+    with pytest.raises(DatasetNotFoundError) as err:
+        load_dataset("citeseer", root=tmp_path)
+    assert os.path.join(str(tmp_path), "CiteSeer", "raw", "ind.citeseer.graph") in str(err.value)
+    assert not (tmp_path / "CiteSeer").exists()

@@ -1,0 +1,101 @@
+"""examples/train_full_batch.py end to end on tiny graphs: once as a user runs it (subprocess,
+compressed, JSON summary), and in-process for the FP32 baseline and a Planetoid preset."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_full_batch.py"
+SHARED_CORA = "/work/shared/data/planetoid/Cora/raw"
+SUMMARY_KEYS = {
+    "test_metric_mean", "test_metric_std", "val_metric_mean", "peak_memory_bytes",
+    "activation_bytes_fp32", "activation_bytes_stored", "epoch_time_s", "per_seed", "args",
+}  # fmt: skip
+SEED_KEYS = {
+    "seed", "best_epoch", "epochs_run", "train_metric", "val_metric", "test_metric",
+    "peak_memory_bytes", "activation_bytes_fp32", "activation_bytes_stored", "epoch_time_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("train_full_batch", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_summary(summary: dict, seeds: list[int]) -> None:
+    assert SUMMARY_KEYS <= set(summary)
+    assert [r["seed"] for r in summary["per_seed"]] == seeds
+    for record in summary["per_seed"]:
+        assert SEED_KEYS <= set(record)
+        assert 0.0 <= record["test_metric"] <= 1.0
+        assert record["peak_memory_bytes"] > 0 and record["epoch_time_s"] > 0
+    assert 0.0 <= summary["test_metric_mean"] <= 1.0 and summary["test_metric_std"] >= 0.0
+    assert summary["activation_bytes_fp32"] > 0 and summary["activation_bytes_stored"] > 0
+
+
+def test_cli_compressed_run_writes_json(tmp_path):
+    out = tmp_path / "run" / "summary.json"
+    cmd = [
+        sys.executable, str(EXAMPLE), "--num-nodes", "400", "--epochs", "3", "--seeds", "2",
+        "--hidden", "16", "--no-progress", "--json", str(out),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "test acc:" in proc.stdout and "activations saved for backward" in proc.stdout
+    summary = json.loads(out.read_text())
+    _check_summary(summary, [0, 1])
+    assert summary["args"]["bits"] == 2 and summary["args"]["fixed_bits"] is False
+    # Two-bit storage holds well under the FP32 bytes.
+    assert summary["activation_bytes_stored"] < summary["activation_bytes_fp32"] / 2
+    assert summary["config"]["model"]["hidden_channels"] == 16
+
+
+def test_fp32_baseline_and_early_stopping(example, tmp_path):
+    path = tmp_path / "fp32.json"
+    summary = example.main([
+        "--bits", "fp32", "--num-nodes", "300", "--epochs", "30", "--patience", "2",
+        "--lr", "0.5", "--seeds", "3", "5", "--model", "gat", "--heads", "2", "--hidden", "4",
+        "--no-progress", "--json", str(path),
+    ])  # fmt: skip
+    _check_summary(summary, [3, 5])
+    assert summary["activation_bytes_stored"] == summary["activation_bytes_fp32"]
+    assert json.loads(path.read_text())["test_metric_mean"] == summary["test_metric_mean"]
+    for record in summary["per_seed"]:  # stopped 2 epochs after the best validation epoch
+        assert record["epochs_run"] == record["best_epoch"] + 3 or record["epochs_run"] == 30
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_CORA), reason="shared Cora files not present")
+def test_cora_gcnii_preset_with_parameter_groups(example, tmp_path):
+    shutil.copytree(SHARED_CORA, tmp_path / "Cora" / "raw")
+    summary = example.main([
+        "--dataset", "cora", "--root", str(tmp_path), "--model", "gcnii", "--layers", "2",
+        "--epochs", "2", "--bits", "fp32", "--no-progress", "--adj-t",
+    ])  # fmt: skip
+    assert summary["config"]["weight_decay_conv"] == 0.01
+    assert summary["config"]["model"]["normalize"] is False
+    assert summary["num_nodes"] == 2708 and summary["metric"] == "acc"
+
+
+def test_bits_parsing(example):
+    assert example.parse_bits("fp32") is None and example.parse_bits("4") == 4
+    assert example.parse_bits("2.5") == 2.5
+    with pytest.raises(argparse.ArgumentTypeError):
+        example.parse_bits("lots")
+    assert example._seeds([3]) == [0, 1, 2] and example._seeds([4, 9]) == [4, 9]

@@ -1,0 +1,184 @@
+"""Triton quantization kernels against the PyTorch reference, bit for bit.
+
+On a CUDA machine the comparison tests run natively. Without CUDA they run in Triton's CPU
+interpreter, which has to be switched on (``TRITON_INTERPRET=1``) before Triton is imported;
+since other test modules may already have imported it, ``test_interpreter_in_subprocess``
+re-runs this file in a fresh interpreter with that variable (and ``GACT_GRAPH_FORCE_TRITON=1``)
+set. Running the file directly with ``TRITON_INTERPRET=1`` works too.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gact_graph.kernels import quantize as kq
+from gact_graph.quantize import SUPPORTED_BITS, _use_triton, quantize
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+needs_kernels = pytest.mark.skipif(
+    not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
+    reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN matching NaN (NaN payloads may differ)."""
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]))
+
+
+def assert_matches_reference(x: torch.Tensor, bits: int, group_size: int = 256, seed: int = 3):
+    packed, meta = kq.triton_quantize(x, bits, group_size, seed)
+    ref_packed, ref_meta = kq.quantize_reference(x.cpu(), bits, group_size, seed)
+    assert torch.equal(packed.cpu(), ref_packed), "packed codes differ"
+    assert torch.equal(meta.view(torch.int16).cpu(), ref_meta.view(torch.int16)), "metadata"
+    y = kq.triton_dequantize(packed, meta, bits, x.shape, x.dtype, group_size)
+    y_ref = kq.dequantize_reference(ref_packed, ref_meta, bits, x.shape, x.dtype, group_size)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    assert same_values(y.cpu(), y_ref), "dequantized values differ"
+
+
+def with_specials(x: torch.Tensor) -> torch.Tensor:
+    """x with a NaN group, an Inf group, a constant (non-bf16) row and a constant zero row."""
+    x = x.clone()
+    x[1, 5] = float("nan")
+    x[2, -1] = float("inf")
+    x[3] = 0.3
+    x[4] = -0.0
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_all_bits_and_dtypes(dtype):
+    # the dtype only touches loads and stores, the bits only the packing: fp32 takes every
+    # width, the other dtypes the two packing branches (several codes per byte, one per byte)
+    torch.manual_seed(0)
+    x = with_specials(torch.randn(7, 781) * 3).to(DEVICE, dtype)
+    for bits in SUPPORTED_BITS if dtype == torch.float32 else (1, 8):
+        assert_matches_reference(x, bits)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(700, 13),  # whole rows per group, partial last group
+        lambda: torch.randn(5),
+        lambda: torch.tensor(2.5),
+        lambda: torch.randn(3, 4, 300),
+        lambda: torch.randn(33, 100),
+        lambda: torch.randn(9, 256),
+        lambda: torch.randn(300, 11).t(),  # strided 2-D view, read in place
+        lambda: torch.randn(40, 3, 30).permute(2, 0, 1),  # needs a copy
+        lambda: torch.randn(2, 90)[:, ::3],
+        lambda: torch.randn(0, 7),
+    ],
+)
+def test_awkward_shapes_and_strides(make):
+    torch.manual_seed(1)
+    x = make().to(DEVICE)
+    for bits in (1, 4):
+        assert_matches_reference(x, bits)
+
+
+@needs_kernels
+@pytest.mark.parametrize("group_size", [1, 8, 64, 1000])
+def test_group_sizes(group_size):
+    torch.manual_seed(2)
+    x = with_specials(torch.randn(11, 150)).to(DEVICE)
+    for bits in (1, 4):
+        assert_matches_reference(x, bits, group_size=group_size, seed=group_size)
+
+
+@needs_kernels
+def test_public_api_dispatches_to_triton():
+    x = torch.randn(20, 300, device=DEVICE)
+    assert _use_triton(x)
+    q = quantize(x, 2, seed=9)
+    ref_packed, ref_meta = kq.quantize_reference(x.cpu(), 2, 256, 9)
+    assert torch.equal(q.packed.cpu(), ref_packed)
+    y = q.dequantize()
+    assert y.device == x.device
+    assert same_values(y.cpu(), kq.dequantize_reference(ref_packed, ref_meta, 2, x.shape, x.dtype))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from gact_graph.kernels.rng import uniform
+
+    @triton.jit
+    def _uniform_kernel(offsets_ptr, out_ptr, seed, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        off = tl.load(offsets_ptr + i, mask=i < n, other=0)
+        tl.store(out_ptr + i, uniform(seed, off), mask=i < n)
+
+
+@needs_kernels
+def test_triton_uniform_matches_reference_for_64_bit_offsets():
+    from gact_graph.kernels.rng import uniform_reference
+
+    offsets = torch.tensor(
+        [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 7, 2**40 + 3, 2**62 + 5],
+        dtype=torch.int64,
+        device=DEVICE,
+    )
+    for seed in (0, 12345, 2**31 - 2, 2**32 - 1):
+        out = torch.empty(offsets.numel(), dtype=torch.float32, device=DEVICE)
+        _uniform_kernel[(1,)](offsets, out, seed, offsets.numel(), BLOCK=16)
+        assert torch.equal(out.cpu(), uniform_reference(seed, offsets.cpu()))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs CUDA and Triton")
+def test_cuda_large_matches_reference():
+    torch.manual_seed(3)
+    x = with_specials(torch.randn(169343, 256, device="cuda"))
+    for bits in SUPPORTED_BITS:
+        assert_matches_reference(x, bits)
+    assert_matches_reference(x.half()[:, :200], 2)
+    assert_matches_reference(torch.randn(70000, 7, device="cuda", dtype=torch.bfloat16), 4)
+
+
+def _subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
+def test_interpreter_in_subprocess():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "not subprocess and not cuda", "-W", "ignore::RuntimeWarning"]
+    env = _subprocess_env(TRITON_INTERPRET="1", GACT_GRAPH_FORCE_TRITON="1")
+    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
+
+
+def test_our_modules_import_neither_triton_nor_cuda():
+    # The package __init__ pulls in torch_geometric, which imports torch._dynamo and, through
+    # it, Triton; so the modules are loaded under a bare parent package to test them alone.
+    code = (
+        "import sys, types, torch\n"
+        f"pkg = types.ModuleType('gact_graph'); pkg.__path__ = [{str(REPO / 'gact_graph')!r}]\n"
+        "sys.modules['gact_graph'] = pkg\n"
+        "import gact_graph.quantize, gact_graph.kernels, gact_graph.bitpack\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

@@ -1,0 +1,243 @@
+"""The shared compact adjacency: PyG-exact edges and weights, caching, lifetime."""
+
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
+from torch_geometric.typing import WITH_TORCH_SPARSE
+from torch_geometric.utils import add_remaining_self_loops, add_self_loops, remove_self_loops
+
+from gact_graph import CompressionConfig, Controller
+from gact_graph.sparse.adjacency import CompactAdjacency, content_hash, get_adjacency
+
+warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny sparse ops pay OpenMP barriers on a loaded shared machine; one thread is faster
+    here and changes no result."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _awkward_graph(n=57, e=400, seed=0):
+    """(No reference cycles anywhere: adjacencies die by refcount, no gc.collect needed.)
+    Random directed graph with isolated nodes, self-loops (one node with two) and duplicate
+    edges."""
+    g = torch.Generator().manual_seed(seed)
+    ei = torch.randint(0, n - 5, (2, e), generator=g)  # nodes n-5..n-1 isolated
+    extra = torch.tensor([[3, 3, 3, 7, 7, 10, 10], [3, 3, 9, 7, 2, 11, 11]])
+    return torch.cat([ei, extra], dim=1), n
+
+
+def _ctl():
+    return Controller(nn.Linear(1, 1), CompressionConfig(bits=None))
+
+
+def _dense_from_edges(ei, w, n):
+    a = torch.zeros(n, n, dtype=torch.float64)
+    w = torch.ones(ei.size(1), dtype=torch.float64) if w is None else w.double()
+    a.index_put_((ei[1], ei[0]), w, accumulate=True)  # row = target, col = source
+    return a
+
+
+def _dense(adj: CompactAdjacency):
+    n = adj.num_nodes
+    rows = torch.repeat_interleave(torch.arange(n), adj.rowptr[1:] - adj.rowptr[:-1])
+    w = torch.ones(adj.num_edges) if adj.weight is None else adj.weight
+    a = torch.zeros(n, n, dtype=torch.float64)
+    a.index_put_((rows, adj.col.long()), w.double(), accumulate=True)
+    return a
+
+
+@pytest.mark.parametrize("improved", [False, True])
+@pytest.mark.parametrize("loops", [True, False])
+def test_gcn_normalized_edges_match_pyg(improved, loops):
+    ei, n = _awkward_graph()
+    w_in = torch.rand(ei.size(1))
+    for weight in (None, w_in):
+        adj = get_adjacency(
+            None, ei, n, add_self_loops=loops, normalize=True, improved=improved,
+            edge_weight=weight, dtype=torch.float32,
+        )  # fmt: skip
+        ref_ei, ref_w = gcn_norm(ei, weight, n, improved, loops, dtype=torch.float32)
+        assert adj.num_edges == ref_ei.size(1)  # duplicates kept, one loop per node
+        torch.testing.assert_close(_dense(adj), _dense_from_edges(ref_ei, ref_w, n))
+        assert adj.rowptr.dtype == torch.int64 and adj.col.dtype == torch.int32
+        assert adj.rowptr[-1] == adj.num_edges
+
+
+@pytest.mark.parametrize("mode", ["remaining", "replace"])
+def test_self_loops_without_normalization_match_pyg(mode):
+    ei, n = _awkward_graph(seed=1)
+    w = torch.rand(ei.size(1))
+    adj = get_adjacency(
+        None, ei, n, add_self_loops=True, edge_weight=w, fill_value=0.5, loop_mode=mode,
+        keep_perm=True,
+    )  # fmt: skip
+    if mode == "remaining":
+        ref_ei, ref_w = add_remaining_self_loops(ei, w, 0.5, n)
+    else:
+        ref_ei, ref_w = add_self_loops(*remove_self_loops(ei, w), fill_value=0.5, num_nodes=n)
+    torch.testing.assert_close(_dense(adj), _dense_from_edges(ref_ei, ref_w, n))
+    # perm maps CSR positions to PyG's edge order, and edge_index() is that edge list.
+    assert torch.equal(adj.edge_index(), ref_ei[:, adj.perm])
+    torch.testing.assert_close(adj.weight, ref_w[adj.perm])
+    torch.testing.assert_close(adj.to_edge_order(adj.to_csr_order(ref_w)), ref_w)
+
+
+def test_unweighted_loop_modes_agree_and_plain_graph_keeps_duplicates():
+    ei, n = _awkward_graph(seed=2)
+    a = get_adjacency(None, ei, n, add_self_loops=True, keep_perm=True)
+    b = get_adjacency(None, ei, n, add_self_loops=True, loop_mode="replace", keep_perm=True)
+    assert torch.equal(a.rowptr, b.rowptr) and torch.equal(a.col, b.col)
+    assert torch.equal(a.perm, b.perm)
+    plain = get_adjacency(None, ei, n, add_self_loops=False)
+    assert plain.num_edges == ei.size(1) and plain.weight is None and plain.perm is None
+    assert torch.equal(_dense(plain), _dense_from_edges(ei, None, n))
+    assert (plain.degree()[-5:] == 0).all()  # isolated nodes: empty rows
+
+
+@pytest.mark.parametrize("layout", ["coo", "coo-uncoalesced", "csr"])
+def test_torch_sparse_inputs_match_pyg(layout):
+    ei, n = _awkward_graph(seed=3)
+    vals = torch.rand(ei.size(1))
+    coo = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), vals, (n, n))  # adj_t
+    sp = {"coo": coo.coalesce(), "coo-uncoalesced": coo, "csr": coo.coalesce().to_sparse_csr()}
+    sp = sp[layout]
+    dense_ref = coo.to_dense().double()
+    plain = get_adjacency(None, sp, n, add_self_loops=False)
+    torch.testing.assert_close(_dense(plain), dense_ref)
+    norm = get_adjacency(None, sp, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    ref, _ = gcn_norm(sp.clone() if layout != "coo-uncoalesced" else coo, None, n, False, True)
+    torch.testing.assert_close(_dense(norm), ref.to_dense().double())
+
+
+def test_large_graph_over_65535_nodes():
+    n, e = 70_001, 150_000
+    g = torch.Generator().manual_seed(4)
+    ei = torch.randint(0, n, (2, e), generator=g)
+    ei[:, :10] = torch.tensor([[70_000] * 10, list(range(69_990, 70_000))])
+    adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    ref_ei, ref_w = gcn_norm(ei, None, n)
+    assert adj.num_edges == ref_ei.size(1)
+    # compare as sorted edge lists (a dense 70k x 70k matrix would not fit)
+    key = ref_ei[1] * n + ref_ei[0]
+    order = torch.argsort(key, stable=True)
+    got = adj.edge_index()
+    assert torch.equal(got, ref_ei[:, order])
+    torch.testing.assert_close(adj.weight, ref_w[order])
+    assert adj.col.max().item() == n - 1
+
+
+def test_identity_cache_returns_the_same_object():
+    ctl = _ctl()
+    ei, n = _awkward_graph()
+    a = get_adjacency(ctl, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    b = get_adjacency(ctl, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    cache = ctl._gg_adjacency_cache
+    assert a is b and cache.builds == 1 and cache.hits == 1
+    c = get_adjacency(ctl, ei, n, add_self_loops=False)
+    assert c is not a and cache.builds == 2  # other options: another adjacency
+
+
+def test_content_cache_shares_copies_views_and_formats():
+    ctl = _ctl()
+    ei, n = _awkward_graph()
+    kw = dict(add_self_loops=True, normalize=True, dtype=torch.float32)
+    a = get_adjacency(ctl, ei, n, **kw)
+    strided = torch.empty(ei.size(1), 2, dtype=torch.long).copy_(ei.t()).t()  # other strides
+    expanded = ei[:, None, :].expand(2, 3, -1)[:, 1, :]  # a view of an expanded tensor
+    for other in (ei.clone(), strided, expanded, ei.to(torch.int32)):
+        assert get_adjacency(ctl, other, n, **kw) is a
+    assert ctl._gg_adjacency_cache.builds == 1
+    # the same matrix as COO and as CSR: one adjacency
+    coo = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), torch.ones(ei.size(1)), (n, n))
+    s1 = get_adjacency(ctl, coo.coalesce(), n, add_self_loops=False)
+    s2 = get_adjacency(ctl, coo.coalesce().to_sparse_csr(), n, add_self_loops=False)
+    s3 = get_adjacency(ctl, coo, n, add_self_loops=False)  # uncoalesced: same matrix
+    assert s1 is s2 is s3
+
+
+def test_inplace_change_of_the_graph_is_seen():
+    ctl = _ctl()
+    ei, n = _awkward_graph()
+    a = get_adjacency(ctl, ei, n, add_self_loops=False)
+    ei[0, 0] = (ei[0, 0] + 1) % n  # bumps the version: identity key misses, content differs
+    b = get_adjacency(ctl, ei, n, add_self_loops=False)
+    assert b is not a
+    assert torch.equal(_dense(b), _dense_from_edges(ei, None, n))
+
+
+def test_cache_is_bounded_and_does_not_keep_graphs_alive():
+    ctl = Controller(nn.Linear(1, 1), CompressionConfig(bits=None, extra={"max_graphs": 2}))
+    refs = []
+    for seed in range(6):
+        ei, n = _awkward_graph(seed=seed)
+        refs.append(weakref.ref(get_adjacency(ctl, ei, n, add_self_loops=False)))
+        del ei
+    cache = ctl._gg_adjacency_cache
+    assert len(cache) == 2
+    alive = [r() is not None for r in refs]
+    assert alive == [False] * 4 + [True] * 2
+    ctl.remove()
+    assert not hasattr(ctl, "_gg_adjacency_cache")
+    assert all(r() is None for r in refs)
+
+
+def test_transpose_and_symmetric_graphs():
+    ei, n = _awkward_graph()
+    w = torch.rand(ei.size(1))
+    adj = get_adjacency(None, ei, n, add_self_loops=False, edge_weight=w)
+    t = adj.transpose()
+    assert t is not adj and adj.transpose() is t  # built once
+    torch.testing.assert_close(_dense(t), _dense(adj).t())
+    assert adj.nbytes == sum(x.numel() * x.element_size() for x in adj.tensors())
+    assert len(adj.tensors()) == 6
+    sym = torch.cat([ei, ei.flip(0)], dim=1)  # undirected: GCN's A is symmetric
+    s = get_adjacency(None, sym, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    assert s.transpose() is s and len(s.tensors()) == 3
+
+
+def test_learnable_weight_keeps_structure_only():
+    ei, n = _awkward_graph()
+    w = torch.rand(ei.size(1), requires_grad=True)
+    adj = get_adjacency(_ctl(), ei, n, add_self_loops=True, normalize=True, edge_weight=w)
+    assert adj.weight_is_external and adj.weight is None and adj.perm is not None
+
+
+def test_bad_inputs():
+    ei, n = _awkward_graph()
+    with pytest.raises(IndexError):
+        get_adjacency(None, ei, 10, add_self_loops=False)
+    with pytest.raises(ValueError):
+        get_adjacency(None, ei, n, add_self_loops=False, normalize="row")
+    with pytest.raises(TypeError):
+        get_adjacency(None, [[0], [1]], n, add_self_loops=False)
+
+
+def test_content_hash_distinguishes_and_ignores_width():
+    a = torch.arange(1000)
+    assert content_hash(a) == content_hash(a.to(torch.int32))
+    b = a.clone()
+    b[500], b[501] = a[501], a[500]  # a swap keeps the sum: position mixing must see it
+    assert content_hash(a) != content_hash(b)
+    assert content_hash(torch.ones(3)) == content_hash(torch.ones(3, dtype=torch.float64))
+    assert content_hash(torch.zeros(4)) != content_hash(torch.zeros(2, 2))
+
+
+@pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
+def test_torch_sparse_sparsetensor_input():  # pragma: no cover - needs torch_sparse
+    from torch_sparse import SparseTensor
+
+    ei, n = _awkward_graph()
+    adj_t = SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(n, n))
+    adj = get_adjacency(None, adj_t, n, add_self_loops=True, normalize=True)
+    ref = gcn_norm(adj_t, None, n, False, True)
+    torch.testing.assert_close(_dense(adj), ref.to_dense().double())
