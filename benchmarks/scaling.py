@@ -92,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "best value verified when its share runs out)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="print every trial")
     p.add_argument("--json", default="results/scaling.json")
     return p.parse_args(argv)
 
@@ -167,7 +168,8 @@ def main(argv=None) -> dict:
                 left = args.time_budget - (time.perf_counter() - t_start)
                 deadline = time.perf_counter() + max(0.0, left) / (len(jobs) - i)
             common = dict(out_channels=num_classes, budget_bytes=None if on_cuda else budget,
-                          rel_tol=args.rel_tol, deadline=deadline, seed=args.seed)  # fmt: skip
+                          rel_tol=args.rel_tol, deadline=deadline, seed=args.seed,
+                          progress=_progress if args.verbose else None)  # fmt: skip
             if search == "depth":
                 res = max_depth(model, graph, method, hidden_channels=args.depth_hidden,
                                 cap=args.max_depth, start=2, **common)  # fmt: skip
@@ -192,6 +194,13 @@ def main(argv=None) -> dict:
     print(table(results))
     print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f}s)")
     return {**header, "results": results}
+
+
+def _progress(rec: dict) -> None:
+    b = rec.get("bytes", {})
+    print(f"      {rec['value']:>6} {rec['reason']:6s} total {b.get('total', 0) / 2**20:8.2f} MiB "
+          f"saved {b.get('saved', 0) / 2**20:8.2f} MiB peak {rec.get('peak_bytes', 0) / 2**20:8.1f}"
+          f" MiB {rec['seconds']:6.1f}s", flush=True)  # fmt: skip
 
 
 def _cpu_name() -> str:

@@ -260,11 +260,14 @@ class Adapter:
     with the previous estimate >= 0.9 and at most 5 % of the elements change width), and
     halves when they are not. ``adapt_interval=k`` re-estimates every ``k`` steps.
 
-    **Alert.** At each estimate, the compression variance of the current plan,
-    :math:`V_q = \sum_l c_l S(b_l)`, is compared with the mean square of the gradient of the
-    probed step (signal plus sampling noise plus compression noise). If it exceeds
-    ``alert_share`` of it, compression noise dominates the gradient and a warning (once) says
-    by how much.
+    **Alert.** At each estimate, the compression variance of the new plan,
+    :math:`V_q = \sum_l c_l S(b_l)`, is compared with what the rest of the gradient holds: the
+    probed step measured :math:`E\lVert g \rVert^2 = \lVert \bar g \rVert^2 + V_s + V_q^{old}`
+    (signal, sampling/dropout variance, compression variance of the plan it ran with), so the
+    share is :math:`V_q / (E\lVert g\rVert^2 - V_q^{old} + V_q)`. Above ``alert_share``
+    (default 0.5: compression noise larger than signal and sampling noise together) a warning,
+    once, gives the number. Full-batch training has no sampling variance, so the gradient's own
+    squared norm is the scale compared with (GACT Sec. 4.2 compares with the SGD variance).
     """
 
     def __init__(
@@ -401,18 +404,23 @@ class Adapter:
         old_plan = {n: ctl.plan.get(n, self.default_bits) for n in self.tensors}
         plan = self.make_plan()
         ctl.plan.update(plan)
-        # compression share of the gradient's mean square, under the plan of the probed step
-        v_q = sum(self.c.get(n, 0.0) * S(old_plan[n]) for n in self.tensors)
+        # Compression share of the gradient's mean square under the plan now in force: the
+        # probed step measured E|g|^2 = signal + sampling variance + V_q(plan it ran with).
+        v_q_old = sum(self.c.get(n, 0.0) * S(old_plan[n]) for n in self.tensors)
+        v_q = sum(self.c.get(n, 0.0) * S(plan[n]) for n in self.tensors)
         share = None
         if grad_sq is not None and grad_sq > 0:
-            share = v_q / grad_sq
+            rest = max(grad_sq - v_q_old, 0.0)
+            share = v_q / (rest + v_q) if rest + v_q > 0 else 0.0
             self.last_share = share
             if share > self.alert_share:
                 self._warn_once(
                     "alert",
-                    f"gact_graph: activation compression dominates the gradient noise: its "
-                    f"variance is {share:.3g}x the gradient's mean square (V_q={v_q:.3g}, "
-                    f"E|g|^2={grad_sq:.3g}, average {self.avg_bits:g} bits); raise bits",
+                    f"gact_graph: activation compression dominates the gradient noise: it is "
+                    f"{share:.3g} of the gradient's mean square (compression variance "
+                    f"{v_q:.3g} vs signal plus sampling variance {rest:.3g}) at an average of "
+                    f"{self.avg_bits:g} bits; raise bits",
+                    depth=1,
                 )
         stable = self._stable(prev, old_plan, plan)
         if self.fixed_interval is None:
@@ -463,10 +471,11 @@ class Adapter:
         return dict(zip(names, bits))
 
     # ---------------------------------------------------------------- misc
-    def _warn_once(self, key: str, msg: str) -> None:
+    def _warn_once(self, key: str, msg: str, depth: int = 0) -> None:
+        # stacklevel points at the user's ``ctl.iterate()`` call
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(msg, stacklevel=3)
+            warnings.warn(msg, stacklevel=4 + depth)
 
     def overhead(self) -> float:
         """Time spent estimating sensitivities as a fraction of the time between ``iterate``

@@ -556,6 +556,7 @@ class _Segment:
                 f"recomputed but {n} in its forward; its forward must be deterministic"
             )
         counters["recomputes"] += 1
+        self.manager._label(ctl, self.path)
         return store
 
     def _compress(self, t: Tensor, i: int, by_view: dict[Any, Stored]) -> tuple[Stored, bool]:
@@ -611,7 +612,10 @@ class CheckpointManager:
             c = self._ctl()
             if c is None or c._active is None or self._depth or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return _Segment(self, c, path, module, inner).run(args, kwargs)
+            try:
+                return _Segment(self, c, path, module, inner).run(args, kwargs)
+            finally:
+                self._label(c, path)
 
         def undo() -> None:
             if had:
@@ -622,6 +626,13 @@ class CheckpointManager:
         module.forward = forward
         ctl.add_undo(undo)
         ctl.module_paths[path] = f"{ctl.module_paths.get(path, 'generic')}+ckpt"
+
+    @staticmethod
+    def _label(ctl: Controller, path: str) -> None:
+        # graph-aware paths relabel their module on every call (recomputation included)
+        label = ctl.module_paths.get(path, "generic")
+        if not label.endswith("+ckpt"):
+            ctl.module_paths[path] = f"{label}+ckpt"
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)

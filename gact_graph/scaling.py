@@ -388,8 +388,11 @@ def run_step(
             if compress is None:
                 ctl = Controller(model, CompressionConfig(bits=None, sparse=False, pointwise=False))
             else:
-                if simulate_swap:  # no device to swap from: run the swap's bookkeeping on CPU
+                if simulate_swap:  # no device to swap from: run the swap's bookkeeping on CPU,
+                    # for every payload (the size floor is about copy overhead on a GPU, and
+                    # the small graphs a CPU can run would otherwise swap nothing)
                     compress.setdefault("swap_simulate", True)
+                    compress.setdefault("swap_min_bytes", 0)
                 ctl = compress_gnn(model, **compress)
             swap = getattr(ctl, "level_manager", None) if simulate_swap else None
             swapped_before = [0]
@@ -501,6 +504,7 @@ def search_max(
     cap: int | None = None,
     rel_tol: float = 0.0,
     deadline: float | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> SearchResult:
     """Largest ``v`` (a multiple of ``unit``, at least ``start``) with ``trial(v)`` fitting,
     assuming fitting is monotone (what fits at ``v`` fits at every smaller value).
@@ -510,6 +514,7 @@ def search_max(
     when they are one ``unit`` apart or within ``rel_tol`` of each other. ``deadline`` (a
     ``time.perf_counter()`` value) stops the search early with the best value verified so far
     (``timed_out``). A trial that errs (not a memory verdict) stops the search (``error``).
+    ``progress`` is called with each trial's record as it completes.
     """
     t0 = time.perf_counter()
     if unit < 1 or start < unit:
@@ -524,6 +529,8 @@ def search_max(
             r = StepResult(fits=r, reason="ok" if r else "budget")
         rec = {"value": k * unit, **r.to_dict()}
         trials.append(rec)
+        if progress is not None:
+            progress(rec)
         if r.reason == "error":
             out.error = r.error
             return None
@@ -587,6 +594,7 @@ def max_depth(
     rel_tol: float = 0.0,
     deadline: float | None = None,
     seed: int = 0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
     **model_kwargs: Any,
 ) -> SearchResult:
     """Deepest ``model`` (``"gcn"``, ``"gcnii"``, ``"gat"``) of width ``hidden_channels`` that
@@ -602,7 +610,9 @@ def max_depth(
 
         return run_step(make, graph, method, budget_bytes=budget_bytes)
 
-    return search_max(trial, start=start, unit=1, cap=cap, rel_tol=rel_tol, deadline=deadline)
+    return search_max(
+        trial, start=start, unit=1, cap=cap, rel_tol=rel_tol, deadline=deadline, progress=progress
+    )
 
 
 def max_width(
@@ -619,6 +629,7 @@ def max_width(
     rel_tol: float = 0.0,
     deadline: float | None = None,
     seed: int = 0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
     **model_kwargs: Any,
 ) -> SearchResult:
     """Widest ``model`` (hidden channels, a multiple of ``unit``) with ``num_layers`` layers
@@ -634,7 +645,10 @@ def max_width(
 
         return run_step(make, graph, method, budget_bytes=budget_bytes)
 
-    return search_max(trial, start=start, unit=unit, cap=cap, rel_tol=rel_tol, deadline=deadline)
+    return search_max(
+        trial, start=start, unit=unit, cap=cap, rel_tol=rel_tol, deadline=deadline,
+        progress=progress,
+    )  # fmt: skip
 
 
 def gib(x: float) -> int:

@@ -230,38 +230,69 @@ def _stable_seed(*parts: Any) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def _group_ids(q: QTensor) -> Tensor:
-    return per_element(q, torch.arange(q.num_groups, device=q.device, dtype=torch.float32)).long()
+def _grouped(q: QTensor, t: Tensor, fill: float) -> Tensor:
+    """``t`` (shaped like ``q``'s tensor) as a ``(num_groups, m)`` matrix, one row per
+    quantization group, padded with ``fill`` where a group is not full."""
+    lay = q.layout
+    t2 = t.reshape(lay.rows, lay.cols)
+    if lay.rows_per_group > 1:
+        pad = lay.num_groups * lay.rows_per_group - lay.rows
+        if pad:
+            t2 = torch.cat([t2, t2.new_full((pad, lay.cols), fill)])
+        return t2.reshape(lay.num_groups, lay.rows_per_group * lay.cols)
+    pad = lay.groups_per_row * lay.group_size - lay.cols
+    if pad:
+        t2 = torch.cat([t2, t2.new_full((lay.rows, pad), fill)], dim=1)
+    return t2.reshape(lay.num_groups, lay.group_size)
+
+
+def _ungrouped(q: QTensor, v: Tensor) -> Tensor:
+    """Inverse of `_grouped`."""
+    lay = q.layout
+    if lay.rows_per_group > 1:
+        return v.reshape(-1, lay.cols)[: lay.rows].reshape(q.shape)
+    return v.reshape(lay.rows, -1)[:, : lay.cols].reshape(q.shape)
+
+
+def _group_steps(q: QTensor) -> tuple[Tensor, Tensor]:
+    lo, scale = q.group_params()
+    ok = torch.isfinite(lo) & torch.isfinite(scale)
+    return torch.where(ok, lo, 0.0)[:, None], torch.where(ok, scale, 0.0)[:, None]
 
 
 def _group_rounding_variance(x: Tensor, q: QTensor) -> Tensor:
     """Per group of ``q``: the sum over its elements of ``f (1 - f)``, ``f`` the fractional
     position of the element of ``x`` between two quantization levels; times ``step^2`` it is
     the group's total stochastic-rounding variance (exact, from the values at pack time)."""
-    lo, scale = q.group_params()
-    lo_el, step = per_element(q, torch.nan_to_num(lo.float())), element_step(q)
-    x = x.reshape(q.shape).float()
-    u = torch.where(step > 0, (x - lo_el) / torch.where(step > 0, step, 1.0), 0.0)
+    if q.num_groups == 0:
+        return torch.zeros(0, device=q.device)
+    lo, step = _group_steps(q)
+    xg = _grouped(q, x.detach().float(), float("nan"))
+    u = (xg - lo) / torch.where(step > 0, step, 1.0)
     f = u - torch.floor(u)
     ff = torch.nan_to_num(f * (1 - f), nan=0.0).clamp_(0.0, 0.25)
-    out = torch.zeros(q.num_groups, dtype=torch.float32, device=ff.device)
-    return out.index_add_(0, _group_ids(q).reshape(-1), ff.reshape(-1))
+    return torch.where(step > 0, ff, 0.0).sum(1)
 
 
-def _element_variance(q: QTensor, x_hat: Tensor, group_ff: Tensor | None) -> Tensor:
-    """Rounding variance to give each element of ``x_hat`` in a probe: the group's measured
-    total (``group_ff * step^2``, see `_group_rounding_variance`) spread evenly over its
-    non-zero elements (exact zeros, e.g. ReLU outputs on a level, had none); without a
-    measurement, the uniform-fraction average ``step^2 / 6``."""
-    step = element_step(q).to(x_hat.device)
-    nonzero = x_hat != 0
+def _rounding_noise(q: QTensor, x_hat: Tensor, group_ff: Tensor | None, seed: int) -> Tensor:
+    """A Rademacher vector shaped like ``x_hat`` with, per element, the rounding variance of its
+    group: the measured group total (``group_ff * step^2``, see `_group_rounding_variance`)
+    spread evenly over the group's non-zero elements (exact zeros, e.g. ReLU outputs on a
+    level, had none), or without a measurement the uniform-fraction average ``step^2 / 6``."""
+    if q.num_groups == 0:
+        return torch.zeros_like(x_hat, dtype=torch.float32)
+    _, step = _group_steps(q)
+    nz = _grouped(q, x_hat, 0.0) != 0
     if group_ff is None:
-        return torch.where(nonzero, step.square() / 6.0, 0.0)
-    gid = _group_ids(q).reshape(-1)
-    count = torch.zeros(q.num_groups, dtype=torch.float32, device=x_hat.device)
-    count.index_add_(0, gid, nonzero.reshape(-1).float())
-    per = per_element(q, group_ff.to(x_hat.device) / count.clamp_min(1.0))
-    return torch.where(nonzero, per * step.square(), 0.0)
+        var = step.square() / 6.0
+    else:
+        count = nz.sum(1, keepdim=True).clamp_min(1)
+        var = step.square() * group_ff.to(step.device)[:, None] / count
+    gen = torch.Generator(device=x_hat.device)
+    gen.manual_seed(seed)
+    sign = torch.randint(0, 2, nz.shape, generator=gen, device=x_hat.device, dtype=torch.int8)
+    eps = (sign.float() * 2 - 1) * var.sqrt() * nz
+    return _ungrouped(q, eps)
 
 
 class SensitivityProbe:
@@ -455,17 +486,14 @@ class SensitivityProbe:
         if hit is not None:
             return hit
         p = stored.payload
+        seed = _stable_seed(self.seed, stored.name)
         if isinstance(p, QTensor):
             bits = p.bits
-            var = _element_variance(p, x_hat, self._sr_var.get(stored))
+            eps = _rounding_noise(p, x_hat, self._sr_var.get(stored), seed)
         else:  # kept as is (planned 32 bits): the variance 8-bit rounding would have
             bits = 8
             q = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
-            var = _element_variance(q, x_hat, _group_rounding_variance(p.detach(), q))
-        gen = torch.Generator(device=x_hat.device)
-        gen.manual_seed(_stable_seed(self.seed, stored.name))
-        sign = torch.randint(0, 2, x_hat.shape, generator=gen, device=x_hat.device)
-        eps = (sign.to(torch.float32) * 2 - 1) * var.to(x_hat.device).sqrt()
+            eps = _rounding_noise(q, x_hat, _group_rounding_variance(p, q), seed)
         noisy = (x_hat.float() + eps).to(x_hat.dtype)
         self._noise[id(stored)] = (noisy, bits)
         self._bits[stored.name] = bits

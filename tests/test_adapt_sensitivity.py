@@ -51,8 +51,8 @@ def _step_fn(model, x, ei, y):
     return step
 
 
-def _averaged_probe(ctl, step, k):
-    state = torch.get_rng_state()
+def _averaged_probe(ctl, step, k, state=None):
+    state = torch.get_rng_state() if state is None else state
     runs = []
     for seed in range(k):
         torch.set_rng_state(state)  # same dropout as Algorithm 1 sees
@@ -169,7 +169,7 @@ def test_sum_of_c_times_S_predicts_the_measured_compression_variance(bits):
     state = torch.get_rng_state()
     step()
     used = {r["name"]: r["bits"] for r in ctl.stats()["tensors"] if r["bits"]}
-    c = _averaged_probe(ctl, step, 2)
+    c = _averaged_probe(ctl, step, 2, state)  # the dropout draw of the runs below
     predicted = sum(c[n] * S(used[n]) for n in c)
     params = list(model.parameters())
     grads = []

@@ -241,7 +241,9 @@ def test_cb1_under_no_grad_and_remove():
         model.eval()(x, ei)
     model.train()
     assert ctl.level_manager.stats()["segments_run"] == 0
-    assert "+ckpt" in ctl.report()
+    model(x, ei).sum().backward()
+    assert ctl.level_manager.stats()["segments_run"] == len(ctl.level_manager.segments)
+    assert "+ckpt" in ctl.module_paths["convs.0"] and "+ckpt" in ctl.report()
     ctl.remove()
     assert not any("forward" in m.__dict__ for m in model.modules())
 
@@ -270,7 +272,7 @@ def test_cb1_detects_nondeterministic_segment():
         def forward(self, x):
             self.calls += 1
             h = self.lin(x)
-            return h.sin() if self.calls == 1 else h.exp().sin()
+            return h.sin() if self.calls == 1 else h * 2.0  # saves less when recomputed
 
     class Net(nn.Module):
         def __init__(self):
@@ -288,34 +290,50 @@ def test_cb1_detects_nondeterministic_segment():
     ctl.remove()
 
 
+class _TorchCheckpointed(nn.Module):
+    """A model that uses torch's non-reentrant checkpoint itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(24, 32)
+        self.convs = nn.ModuleList(GCNConv(32, 32) for _ in range(2))
+
+    def forward(self, x, ei):
+        from torch.utils.checkpoint import checkpoint
+
+        x = F.relu(self.inp(x))
+        for conv in self.convs:
+            x = checkpoint(lambda h, conv=conv: F.relu(conv(h, ei)), x, use_reentrant=False)
+        return x
+
+
 def test_torch_checkpoint_composes_with_controller():
-    """A model that uses torch's non-reentrant checkpoint itself: its saved-tensor hooks nest
-    inside ours; the checkpoint's inputs go through our pack hook (and are compressed)."""
-    from torch.utils.checkpoint import checkpoint
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(24, 32)
-            self.convs = nn.ModuleList(GCNConv(32, 32) for _ in range(2))
-
-        def forward(self, x, ei):
-            x = F.relu(self.inp(x))
-            for conv in self.convs:
-                x = checkpoint(lambda h, conv=conv: F.relu(conv(h, ei)), x, use_reentrant=False)
-            return x
-
+    """torch's checkpoint hooks nest inside ours: its inputs are saved through our pack hook
+    (and compressed), what it saves inside is its own business."""
     x, ei = _graph()
     torch.manual_seed(0)
-    net = Net()
+    net = _TorchCheckpointed()
     ref, _, _, _ = _step(net, x, ei)
-    got, _, _, _ = _step(net, x, ei, bits=None)
+    got, _, _, _ = _step(net, x, ei, bits=None, pointwise=False)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k])
-    q, _, stats, _ = _step(net, x, ei, bits=8)
+    q, _, stats, _ = _step(net, x, ei, bits=8, pointwise=False)
     quantized = [r for r in stats["tensors"] if r["bits"] == 8]
-    assert len(quantized) >= 2  # the checkpoints' inputs (+ the first linear's output)
+    # the two checkpoints' inputs (the first one is also what ReLU saved: stored once)
+    assert len(quantized) == 2 and sum(r["uses"] for r in quantized) == 3
     assert _rel(q, ref) < 0.02
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=torch.utils.checkpoint.CheckpointError,
+    reason="known: the pointwise mode (gact_graph.ops) runs in torch's checkpointed forward "
+    "but not in its recomputation, so the two save different tensors; CB1 segments replay it",
+)
+def test_torch_checkpoint_with_pointwise_mode():
+    x, ei = _graph()
+    torch.manual_seed(0)
+    _step(_TorchCheckpointed(), x, ei, bits=None)
 
 
 def test_cb1_large_graph_over_65535_nodes():

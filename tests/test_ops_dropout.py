@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gact_graph.ops.dropout as D
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
-import gact_graph.ops.dropout as D
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CUDA = torch.cuda.is_available()
@@ -148,8 +148,10 @@ def test_rng_used_between_forward_and_backward_does_not_change_gradients():
 
     def step(use_mode):
         torch.manual_seed(5)
-        with PointwiseMode() if use_mode else torch.autograd.graph.saved_tensors_hooks(
-            lambda t: t, lambda t: t
+        with (
+            PointwiseMode()
+            if use_mode
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         ):
             a = F.dropout(x, 0.5)
             b = F.dropout(a * 2, 0.3)
@@ -184,8 +186,13 @@ def test_training_run_is_bit_identical_to_stock():
     def train(compress):
         torch.manual_seed(0)
         model = nn.Sequential(
-            nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 64), nn.ReLU(),
-            nn.Dropout(0.3), nn.Linear(64, 4),
+            nn.Linear(32, 64),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(64, 4),
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = torch.randn(256, 32), torch.randint(0, 4, (256,))
@@ -234,7 +241,11 @@ def test_memory_per_element_is_zero(bits):
 @pytest.mark.parametrize("inplace", [False, True])
 def test_cuda_bitwise(dtype, inplace):
     x = torch.randn(1823, 781, dtype=dtype, device="cuda", requires_grad=True)
-    op = (lambda t: F.dropout(t * 1, 0.3, inplace=True)) if inplace else (lambda t: F.dropout(t, 0.3))
+    op = (
+        (lambda t: F.dropout(t * 1, 0.3, inplace=True))
+        if inplace
+        else (lambda t: F.dropout(t, 0.3))
+    )
     saved = _check_bitwise(op, x, device="cuda")
     assert [t.dtype for t in saved] == [torch.uint8]  # fused path regenerates: state only
 

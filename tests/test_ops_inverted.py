@@ -106,8 +106,8 @@ def test_elu_negative_alpha_and_float64_double_backward():
     x = _x((300, 40), torch.float64, seed=2)
     grad = torch.randn_like(x)
     for alpha in (-0.5, 0.0, 1.0):
-        _, g0, _, _ = _run(lambda t: F.elu(t, alpha), x, grad, use_mode=False)
-        _, g1, _, _ = _run(lambda t: F.elu(t, alpha), x, grad, use_mode=True)
+        _, g0, _, _ = _run(lambda t, a=alpha: F.elu(t, a), x, grad, use_mode=False)
+        _, g1, _, _ = _run(lambda t, a=alpha: F.elu(t, a), x, grad, use_mode=True)
         torch.testing.assert_close(g1, g0, rtol=1e-13, atol=1e-15)
     # backward is differentiable in y: exact second derivatives
     small = x[:6, :5].detach().requires_grad_()
@@ -141,7 +141,8 @@ def test_tables_alone_are_float32_accurate():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(INVERTED))
 @pytest.mark.parametrize(
-    "dtype,shape", [(torch.float32, (1823, 781)), (torch.float16, (7, 129, 33)), (torch.bfloat16, (7, 129, 33))]
+    "dtype,shape",
+    [(torch.float32, (1823, 781)), (torch.float16, (7, 129, 33)), (torch.bfloat16, (7, 129, 33))],
 )
 def test_gelu_silu_within_documented_error(name, dtype, shape, device):
     x = _x(shape, dtype, device, seed=4)
@@ -160,7 +161,9 @@ def test_branch_indicator_decides_near_the_minimum():
     # the same y reached from both sides of the minimum gives derivatives of opposite sign
     for name in ("gelu", "silu"):
         x_star = I._tables(name, torch.device("cpu")).x_star
-        x = torch.tensor([x_star - 0.3, x_star + 0.3, x_star - 1.0, x_star + 1.0], requires_grad=True)
+        x = torch.tensor(
+            [x_star - 0.3, x_star + 0.3, x_star - 1.0, x_star + 1.0], requires_grad=True
+        )
         op = F.silu if name == "silu" else F.gelu
         _, g0, _, _ = _run(op, x, torch.ones(4), use_mode=False)
         _, g1, _, _ = _run(op, x, torch.ones(4), use_mode=True)
@@ -188,7 +191,7 @@ def test_double_backward_through_gelu_raises():
     assert g.shape == x.shape
 
 
-# ---------------------------------------------------------------------------------- in the controller
+# ------------------------------------------------------------------------ in the controller
 class _LinActLin(nn.Module):
     def __init__(self, act, d=781, hidden=256):
         super().__init__()
@@ -257,3 +260,35 @@ def test_bits2_elu_gradient_is_unbiased_with_the_indicator():
     assert e_large < e_small / 2.5, (e_small, e_large)
     e_biased = mean_err(16, False)  # measured: 0.141 (4), 0.128 (16), 0.125 (64)
     assert e_biased > 3 * e_large, (e_biased, e_large)
+
+
+def test_gat_with_elu_lossless_matches_stock():
+    """GAT: ELU between layers (inverted), LeakyReLU on the attention logits (mask), dropout
+    (regenerated). bits=None: same forward bits, gradients equal up to ELU's rounding."""
+    from gact_graph.models import GAT
+
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    x = torch.randn(n, 16, generator=g)
+    ei = torch.randint(0, n, (2, 6 * n), generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+
+    def step(compress):
+        torch.manual_seed(0)
+        model = GAT(16, 8, 5, num_layers=3, heads=2, dropout=0.5, attn_dropout=0.2)
+        ctl = compress_gnn(model, bits=None, sparse=False) if compress else None
+        torch.manual_seed(1)
+        out = model(x, ei)
+        loss = F.cross_entropy(out, y)
+        st = ctl.stats() if ctl is not None else None
+        loss.backward()
+        if ctl is not None:
+            ctl.remove()
+        return out.detach(), [p.grad for p in model.parameters()], st
+
+    out_ref, ref, _ = step(False)
+    out, got, st = step(True)
+    assert torch.equal(out, out_ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert st["by_kind"]["mask"]["count"] == 2 + 3  # ELU indicators + attention LeakyReLU masks

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric.nn import GCNConv
 
+import gact_graph.ops.masks as M
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
-import gact_graph.ops.masks as M
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -261,8 +261,9 @@ def _mean_grad_error(model, loss, ref, n, pointwise):
 
 def test_bits2_relu_gradient_is_unbiased_with_pointwise_masks():
     """The setup of test_controller::test_bits2_quantized_relu_output_biases_the_gradient (2
-    GCN layers here, to keep the test fast), with pointwise=True: ReLU's backward reads the exact 1-bit mask, the quantized activations enter
-    backward linearly, so the mean of n 2-bit gradients approaches FP32 like 1/sqrt(n)."""
+    GCN layers here, to keep the test fast), with pointwise=True: ReLU's backward reads the
+    exact 1-bit mask, the quantized activations enter backward linearly, so the mean of n 2-bit
+    gradients approaches FP32 like 1/sqrt(n)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(400, 32, generator=g)
@@ -282,3 +283,36 @@ def test_bits2_relu_gradient_is_unbiased_with_pointwise_masks():
     # the stock path (2-bit ReLU output) plateaus at its bias: 0.33 (n=4), 0.30 (n=16, 64)
     e_biased = _mean_grad_error(model, loss, ref, 4, pointwise=False)
     assert e_biased > 5 * e_large, (e_biased, e_large)
+
+
+# ---------------------------------------------------------------- whole models, lossless
+def test_gcn_with_bn_relu_dropout_lossless_is_bit_identical_to_stock():
+    """The OGB GCN (BatchNorm, ReLU, dropout) on a graph with more than 65,535 nodes: with
+    bits=None the pointwise paths change what is saved, not a single bit of the training."""
+    from gact_graph.models import GCN
+
+    g = torch.Generator().manual_seed(0)
+    n = 70_000
+    x = torch.randn(n, 16, generator=g)
+    ei = torch.randint(0, n, (2, 4 * n), generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+
+    def step(compress):
+        torch.manual_seed(0)
+        model = GCN(16, 32, 5, num_layers=3, dropout=0.5, batch_norm=True)
+        ctl = compress_gnn(model, bits=None, sparse=False) if compress else None
+        torch.manual_seed(1)
+        loss = F.cross_entropy(model(x, ei), y)
+        st = ctl.stats() if ctl is not None else None
+        loss.backward()
+        if ctl is not None:
+            ctl.remove()
+        return [p.grad for p in model.parameters()], torch.get_rng_state(), st
+
+    ref, ref_rng, _ = step(False)
+    got, rng, st = step(True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(rng, ref_rng)
+    assert st["by_kind"]["mask"]["count"] == 2  # the two hidden ReLUs
+    assert st["by_kind"]["mask"]["stored_bytes"] == 2 * ((n * 32 + 7) // 8)

@@ -16,6 +16,7 @@ __all__ = [
     "default_root",
     "require_files",
     "undirected_coalesced",
+    "pairs_to_edge_index",
     "index_to_mask",
     "finalize",
     "gcn_normalized_adjacency",
@@ -53,19 +54,24 @@ def require_files(dataset: str, base: str, files: Iterable[str], hint: str) -> N
 def undirected_coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
     """Both directions of every edge, sorted by (row, col), duplicates removed.
 
-    Works on one int64 key per edge (``row * N + col``) instead of PyG's ``to_undirected``
-    so that graphs with 100M+ edges fit: one key array and its sorted unique copy.
+    Works on one int64 key per undirected pair (``min * N + max``) instead of PyG's
+    ``to_undirected`` so that graphs with 100M+ edges fit: peak memory is a few int64 arrays
+    of the edge count, never the doubled edge list plus its sort buffers.
     """
     row, col = edge_index[0].long(), edge_index[1].long()
-    keys = torch.empty(2 * row.numel(), dtype=torch.long)
-    torch.add(row * num_nodes, col, out=keys[: row.numel()])
-    torch.add(col * num_nodes, row, out=keys[row.numel() :])
-    return keys_to_edge_index(keys, num_nodes)
+    pairs = torch.minimum(row, col) * num_nodes + torch.maximum(row, col)
+    return pairs_to_edge_index(torch.unique(pairs), num_nodes)
 
 
-def keys_to_edge_index(keys: Tensor, num_nodes: int) -> Tensor:
-    """Sorted unique ``row * N + col`` keys back to a coalesced ``[2, E]`` edge index."""
-    keys = torch.unique(keys, sorted=True)
+def pairs_to_edge_index(pairs: Tensor, num_nodes: int) -> Tensor:
+    """Distinct canonical pair keys ``min * N + max`` to a coalesced ``[2, E]`` edge index
+    holding both directions (self-loops once)."""
+    lo = torch.div(pairs, num_nodes, rounding_mode="floor")
+    hi = pairs - lo * num_nodes
+    mirrored = (hi * num_nodes + lo)[lo != hi]
+    del lo, hi
+    keys = torch.sort(torch.cat([pairs, mirrored])).values
+    del mirrored
     return torch.stack([torch.div(keys, num_nodes, rounding_mode="floor"), keys % num_nodes])
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch_geometric.data import Data
 
 from gact_graph.datasets.info import DatasetInfo, dataset_info
-from gact_graph.datasets.preprocess import finalize, index_to_mask, keys_to_edge_index
+from gact_graph.datasets.preprocess import finalize, index_to_mask, pairs_to_edge_index
 
 __all__ = ["SYNTHETIC_DEFAULT", "make_synthetic_graph", "load_synthetic", "synthetic_info"]
 
@@ -195,11 +195,7 @@ def _planted_edges(
     if pairs.numel() > num_pairs:
         keep = torch.randperm(pairs.numel(), generator=g)[:num_pairs]
         pairs = pairs[torch.sort(keep).values]
-    lo = torch.div(pairs, n, rounding_mode="floor")
-    hi = pairs - lo * n
-    keys = torch.cat([pairs, hi * n + lo])
-    del pairs, lo, hi
-    return keys_to_edge_index(keys, n)
+    return pairs_to_edge_index(pairs, n)
 
 
 def _split(

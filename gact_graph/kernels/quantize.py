@@ -47,7 +47,7 @@ _BF16_NAN = 0x7FC0
 _CONST_FLAG = 0x8000
 _INV_2_24 = 1.0 / 16777216.0
 #: default block size of the reference (elements of the group matrix per step)
-CHUNK_ELEMS = 1 << 22
+CHUNK_ELEMS = 1 << 20
 
 
 def _inv_levels(bits: int) -> float:
@@ -537,7 +537,14 @@ def dequantize_reference(
     for blk in _blocks(layout, chunk_elems):
         sl = slice(blk.first, blk.first + blk.count)
         lo, scale, _ = decode_meta(meta[sl])
-        codes = table.index_select(0, packed[sl.start * bpg : sl.stop * bpg].to(torch.int32))
-        vals = torch.addcmul(lo[:, None], codes.view(-1, g), scale[:, None])
-        out2d[blk.r0 : blk.r1, blk.c0 : blk.c1] = _from_group_matrix(vals, blk, layout)
+        idx = packed[sl.start * bpg : sl.stop * bpg].to(torch.int32)
+        dst = out2d[blk.r0 : blk.r1, blk.c0 : blk.c1]
+        # fp32 output without padding: decode straight into it, no extra copy
+        direct = dtype == torch.float32 and dst.is_contiguous() and dst.numel() == blk.count * g
+        codes = torch.index_select(
+            table, 0, idx, out=dst.view(-1, table.shape[1]) if direct else None
+        )
+        vals = codes.view(-1, g).mul_(scale[:, None]).add_(lo[:, None])  # exact product
+        if not direct:
+            dst.copy_(_from_group_matrix(vals, blk, layout))
     return out

@@ -103,6 +103,18 @@ def uniform_reference(seed: int, offsets: Tensor) -> Tensor:
     return uniform_bits_to_float(_lowbias32_(h))
 
 
+_ARANGE: dict[torch.device, Tensor] = {}
+
+
+def _arange_int32(n: int, device: torch.device) -> Tensor:
+    """``arange(n)`` in int32 from a per-device cache (``torch.arange`` is slow on CPU)."""
+    cached = _ARANGE.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _ARANGE[device] = cached
+    return cached[:n]
+
+
 def uniform_bits_range_(out: Tensor, seed: int, start: int) -> Tensor:
     """Hash words of offsets ``start + arange(out.numel())`` into the int32 tensor ``out``.
 
@@ -117,8 +129,7 @@ def uniform_bits_range_(out: Tensor, seed: int, start: int) -> Tensor:
         first = start + done
         seg = min(count - done, (1 << 32) - (first & _MASK32))
         h = flat[done : done + seg]
-        torch.arange(seg, dtype=torch.int32, device=flat.device, out=h)
-        h += _as_int32(first)
+        torch.add(_arange_int32(seg, flat.device), _as_int32(first), out=h)
         h ^= _as_int32(rng_key(seed, first >> 32))
         _lowbias32_(h, tmp[:seg])
         done += seg

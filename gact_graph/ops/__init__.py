@@ -74,6 +74,9 @@ def install_pointwise_ops(ctl: Controller) -> PointwiseMode:
     ctl.add_forward_context(enter)
     for name, module in ctl.model.named_modules():
         path = name or "<root>"
-        if isinstance(module, POINTWISE_MODULES) and ctl.module_paths.get(path, "generic") == "generic":
+        if (
+            isinstance(module, POINTWISE_MODULES)
+            and ctl.module_paths.get(path, "generic") == "generic"
+        ):
             ctl.module_paths[path] = "pointwise"
     return mode

@@ -121,6 +121,12 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     state instead of keeping it. Bit-identical outputs, gradients and RNG stream."""
     if p < 0.0 or p > 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    if not training or p == 0.0 or p == 1.0 or x.numel() == 0 or x.device.type not in ("cpu", "cuda"):
+    if (
+        not training
+        or p == 0.0
+        or p == 1.0
+        or x.numel() == 0
+        or x.device.type not in ("cpu", "cuda")
+    ):
         return torch.nn.functional.dropout(x, p, training, inplace)
     return DropoutFunction.apply(x, float(p), inplace)

@@ -136,12 +136,12 @@ class _Tables:
     s_lo: float
     s_hi: float
     near_inv_h: float
-    near: Tensor  # f'(x(s)) on a uniform s grid
+    near: Tensor  # f'(x(s)) on a uniform s grid, with slopes (`_with_slopes`)
     y_switch: float
     u_lo: float
     u_hi: float
     tail_inv_h: float
-    tail: Tensor  # f'(x(u)) / y on a uniform u = log(-y) grid
+    tail: Tensor  # f'(x(u)) / y on a uniform u = log(-y) grid, with slopes
 
 
 def _bisect(spec: InvertedSpec, y: Tensor, lo: float, hi: float, increasing: bool) -> Tensor:
@@ -201,12 +201,12 @@ def _build_tables(spec: InvertedSpec) -> _Tables:
         s_lo=s_lo,
         s_hi=s_hi,
         near_inv_h=(spec.near_size - 1) / (s_hi - s_lo),
-        near=near.float(),
+        near=_with_slopes(near.float()),
         y_switch=y_switch,
         u_lo=spec.u_low,
         u_hi=u_hi,
         tail_inv_h=(spec.tail_size - 1) / (u_hi - spec.u_low),
-        tail=tail.float(),
+        tail=_with_slopes(tail.float()),
     )
 
 
@@ -222,35 +222,50 @@ def _tables(name: str, device: torch.device) -> _Tables:
     return t
 
 
-def _lerp_table(table: Tensor, pos: Tensor) -> Tensor:
-    """Linear interpolation of ``table`` at fractional index ``pos`` (clamped to the table)."""
-    n = table.numel()
-    pos = pos.clamp(0.0, n - 1.0)
-    i = pos.floor().clamp_(max=n - 2)
-    w = pos - i
-    i = i.long()
-    lo = table[i]
-    return torch.lerp(lo, table[i + 1], w)
+def _with_slopes(values: Tensor) -> Tensor:
+    """``[2, n]``: each node's value and the slope to the next node (0 after the last)."""
+    slopes = torch.zeros_like(values)
+    slopes[:-1] = values[1:] - values[:-1]
+    return torch.stack([values, slopes])
+
+
+def _lookup(table: Tensor, pos: Tensor) -> Tensor:
+    """Linear interpolation of a `_with_slopes` table at fractional index ``pos`` (a contiguous
+    float32 temporary, clamped to the table and overwritten)."""
+    pos = pos.clamp_(0.0, table.shape[1] - 1.0)
+    i = pos.to(torch.int32).view(-1)  # truncation == floor, pos >= 0
+    frac = pos.sub_(i.view_as(pos))
+    value = table[0].index_select(0, i).view_as(pos)
+    slope = table[1].index_select(0, i).view_as(pos)
+    return value.addcmul_(frac, slope)
 
 
 def inverse_derivative(y: Tensor, right: Tensor, name: str) -> Tensor:
     """``f'(f^{-1}(y))`` in float32 for the activation ``name`` (see `INVERTED_SPECS`), where
     ``right`` says ``x >= x*`` (the branch right of the minimum). ``y`` may be lossy (e.g.
-    dequantized): values outside a branch's range are clamped to it."""
+    dequantized): values outside a branch's range are clamped to it (``f'`` is 1 right of the
+    table, 0 at the minimum and for ``y >= 0`` on the left branch)."""
     tb = _tables(name, y.device)
-    y = y.float()
-    # y - y_min with y_min split in two float32 parts: the first difference is exact near the
-    # minimum (Sterbenz), so s loses nothing to the rounding of y_min.
+    y = y.float().contiguous()  # never modified in place below: it may be the saved output
+    right = right.contiguous()
+    # s = ±sqrt(y - y_min), y_min split in two float32 parts: the first difference is exact
+    # near the minimum (Sterbenz), so s loses nothing to the rounding of y_min.
     s = (y - tb.y_min_hi).sub_(tb.y_min_lo).clamp_(min=0.0).sqrt_()
-    s = torch.where(right, s, -s)
-    d = _lerp_table(tb.near, (s - tb.s_lo) * tb.near_inv_h)
-    # Far left branch: f' = y * ratio(log(-y)); -y <= 0 (clamped y) gives 0 derivative.
-    neg_y = (-y).clamp_(min=0.0)
-    u = neg_y.clamp(min=1e-45).log_()
-    ratio = _lerp_table(tb.tail, (u - tb.u_lo) * tb.tail_inv_h)
-    tail = -neg_y * ratio
-    d = torch.where(~right & (y > tb.y_switch), tail, d)
-    d = torch.where(right & (s > tb.s_hi), torch.ones((), dtype=d.dtype, device=d.device), d)
+    s = s.mul_(right.to(torch.float32).mul_(2.0).sub_(1.0))  # + right of x*, - left
+    d = _lookup(tb.near, s.sub_(tb.s_lo).mul_(tb.near_inv_h))
+    # Far left branch (y_switch < y < 0): f' = y * ratio(log(-y)).
+    tail = (y > tb.y_switch).logical_and_(right.logical_not())
+    if y.is_cuda:  # dense: no host sync
+        neg_y = y.neg().clamp_(min=0.0)
+        u = neg_y.clamp(min=1e-45).log_()
+        ratio = _lookup(tb.tail, u.sub_(tb.u_lo).mul_(tb.tail_inv_h))
+        return torch.where(tail, neg_y.neg_().mul_(ratio), d)
+    idx = tail.view(-1).nonzero().squeeze(1)  # usually a small fraction of the elements
+    if idx.numel():
+        neg_y = y.view(-1).index_select(0, idx).neg_().clamp_(min=0.0)
+        u = neg_y.clamp(min=1e-45).log_()
+        ratio = _lookup(tb.tail, u.sub_(tb.u_lo).mul_(tb.tail_inv_h))
+        d.view(-1).index_copy_(0, idx, neg_y.neg_().mul_(ratio))
     return d
 
 
@@ -341,7 +356,11 @@ def silu(x: Tensor, inplace: bool = False) -> Tensor:
 
 
 def measure_error(
-    name: str, dtype: torch.dtype = torch.float32, lo: float = -12.0, hi: float = 12.0, n: int = 1_000_001
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    lo: float = -12.0,
+    hi: float = 12.0,
+    n: int = 1_000_001,
 ) -> dict[str, float]:
     """Max and mean absolute error of ``f'(f^{-1}(y))`` against PyTorch's own backward from
     ``x``, over ``n`` evenly spaced inputs in ``[lo, hi]`` rounded to ``dtype`` (``y`` computed

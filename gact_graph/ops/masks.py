@@ -119,7 +119,11 @@ class ClampMaskFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
+        return (
+            torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)),
+            None,
+            None,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,7 +139,9 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01, inplace: bool = False) -
     return LeakyReluMaskFunction.apply(x, negative_slope, inplace)
 
 
-def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+def hardtanh(
+    x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
+) -> Tensor:
     """`torch.nn.functional.hardtanh` that saves a 1-bit mask for backward."""
     if min_val > max_val:
         F.hardtanh(x, min_val, max_val)  # raises PyTorch's own error

@@ -171,7 +171,10 @@ def _elu(functional: bool, inplace_fixed: bool) -> Handler:
         if functional:
             inplace = bool(_arg(args, kwargs, 2, "inplace", False))
         else:  # torch._C._nn.elu(input, alpha, scale, input_scale)
-            if _arg(args, kwargs, 2, "scale", 1) != 1 or _arg(args, kwargs, 3, "input_scale", 1) != 1:
+            if (
+                _arg(args, kwargs, 2, "scale", 1) != 1
+                or _arg(args, kwargs, 3, "input_scale", 1) != 1
+            ):
                 return NotImplemented
             inplace = inplace_fixed
         if not _is_number(alpha):

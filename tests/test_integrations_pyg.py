@@ -1,0 +1,138 @@
+"""The plain PyG loop callback, and the copy-paste example of docs/integrations.md."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gact_graph.integrations.pyg import GactCallback
+from gact_graph.models import GCN
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+CORA = Path("/work/shared/data/planetoid")
+
+
+def doc_example(name: str) -> str:
+    """The ```python block after ``<!-- example: name -->`` in docs/integrations.md."""
+    text = DOC.read_text()
+    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S)
+    assert m, f"no example {name!r} in {DOC}"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def cora_root(tmp_path_factory):
+    if not (CORA / "Cora" / "raw").is_dir():
+        pytest.skip("Cora raw files not available")
+    root = tmp_path_factory.mktemp("planetoid")
+    shutil.copytree(CORA / "Cora" / "raw", root / "Cora" / "raw")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cora(cora_root):
+    from gact_graph.datasets import load_dataset
+
+    return load_dataset("cora", root=str(cora_root))
+
+
+def _model(data):
+    torch.manual_seed(0)
+    return GCN(
+        data.num_features, 16, data.num_classes, num_layers=2, dropout=0.5,
+        input_dropout=0.5, batch_norm=False,
+    )  # fmt: skip
+
+
+def _test_acc(model, data):
+    model.eval()
+    with torch.no_grad():
+        pred = model(data.x, data.edge_index).argmax(-1)
+    return (pred[data.test_mask] == data.y[data.test_mask]).float().mean().item()
+
+
+def _train_stock(data, epochs=100):
+    model = _model(data)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    for _ in range(epochs):
+        model.train()
+        opt.zero_grad()
+        out = model(data.x, data.edge_index)
+        F.cross_entropy(out[data.train_mask], data.y[data.train_mask]).backward()
+        opt.step()
+    return _test_acc(model, data)
+
+
+def test_doc_example_trains_like_stock(cora_root, cora, capsys):
+    code = doc_example("pyg").replace('root = "data/planetoid"', f"root = {str(cora_root)!r}")
+    assert f"root = {str(cora_root)!r}" in code
+    ns: dict = {"__name__": "__doc_example__"}
+    exec(compile(code, str(DOC), "exec"), ns)
+    acc, stats = ns["acc"], ns["stats"]
+    stock = _train_stock(cora)
+    print(f"pyg loop on Cora: stock {stock:.3f}, 2-bit {acc:.3f}, stats {stats}")
+    assert stock > 0.75 and acc > 0.75
+    assert abs(acc - stock) < 0.04
+    assert stats["ratio"] > 2.0 and stats["stored_bytes"] > 0
+    assert "test accuracy" in capsys.readouterr().out
+    assert getattr(ns["model"], "_gact_graph_controller", None) is None  # removed
+
+
+def test_callback_lifecycle_and_state(cora):
+    model = _model(cora)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def closure():
+        opt.zero_grad()
+        out = model(cora.x, cora.edge_index)
+        loss = F.cross_entropy(out[cora.train_mask], cora.y[cora.train_mask])
+        loss.backward()
+        return loss
+
+    with GactCallback(model, bits=4) as gact:
+        ctl = gact.ctl
+        for _ in range(3):
+            loss = gact.step(closure, opt)
+        assert torch.isfinite(loss)
+        assert ctl.step == 3
+        # evaluation under no_grad installs nothing (and leaves the training stats alone)
+        fid, total = ctl._forward_id, gact.stats()["total"]
+        with torch.no_grad():
+            model.eval()(cora.x, cora.edge_index)
+        model.train()
+        assert ctl._forward_id == fid and gact.stats()["total"] == total
+        assert total["ratio"] > 1.5
+        gact.on_train_batch_end()  # for loops that step themselves
+        assert ctl.step == 4
+    assert getattr(model, "_gact_graph_controller", None) is None
+    assert gact.stats() == {}
+    state = gact.state_dict()
+    assert state["step"] == 4
+
+    resumed = GactCallback(model, bits=4)
+    resumed.load_state_dict(state)
+    assert resumed.on_train_start().step == 4
+    resumed.on_train_end()
+
+
+def test_adaptive_step_makes_a_plan(cora):
+    model = _model(cora)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def closure():
+        opt.zero_grad()
+        out = model(cora.x, cora.edge_index)
+        loss = F.cross_entropy(out[cora.train_mask], cora.y[cora.train_mask])
+        loss.backward()
+        return loss
+
+    gact = GactCallback(model, bits=3, adaptive=True, min_numel=0)
+    gact.on_train_start()
+    for _ in range(3):
+        gact.step(closure, opt)
+    plan = gact.state_dict()["plan"]
+    gact.on_train_end()
+    assert plan and all(b in (1, 2, 4, 8, 32) for b in plan.values())
