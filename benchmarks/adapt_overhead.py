@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
 
     times = {"fixed": [], "adaptive": []}
     probed = []
-    for i in range(args.steps):
+    for _ in range(args.steps):
         for kind in ("fixed", "adaptive"):
             before = ctls[kind].adapter.n_estimates if kind == "adaptive" else 0
             t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
     probe_steps = [t for t, pr in zip(times["adaptive"], probed) if pr]
     step_med = statistics.median(times["fixed"])
     # one estimate by each estimator, on the adaptive model, timed back to back
-    alg1, probe_only = [], []
+    alg1 = []
     for _ in range(args.alg1_repeats):
         t0 = time.perf_counter()
         two_seed_sensitivity(ctls["adaptive"], step_fn("adaptive"), names=list(ad.tensors))
@@ -126,13 +126,18 @@ def main(argv=None) -> dict:
     }
     print(f"{args.model} on {args.dataset}: {n_tensors} compressed tensors, {args.steps} steps")
     print(f"{'':32} {'fixed':>10} {'adaptive':>10}")
-    print(f"{'median step (ms)':32} {1e3 * step_med:>10.1f} {1e3 * res['step_s_adaptive_median']:>10.1f}")
+    med_ad = res["step_s_adaptive_median"]
+    print(f"{'median step (ms)':32} {1e3 * step_med:>10.1f} {1e3 * med_ad:>10.1f}")
     print(f"{'total train time (s)':32} {t_fixed:>10.2f} {t_adapt:>10.2f}")
-    print(f"adaptive extra time: {100 * res['adaptive_extra_fraction']:.1f}% of its training time "
-          f"({ad.n_estimates} estimates; time inside the probe {100 * ad.overhead():.1f}%)")
+    print(
+        f"adaptive extra time: {100 * res['adaptive_extra_fraction']:.1f}% of its training time "
+        f"({ad.n_estimates} estimates; time inside the probe {100 * ad.overhead():.1f}%)"
+    )
     if probe_extra is not None:
-        print(f"one estimate: probe {res['probe_estimate_in_steps']:.2f} steps, "
-              f"Algorithm 1 {res['alg1_estimate_in_steps']:.1f} steps")
+        print(
+            f"one estimate: probe {res['probe_estimate_in_steps']:.2f} steps, "
+            f"Algorithm 1 {res['alg1_estimate_in_steps']:.1f} steps"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -8,7 +8,7 @@ in the same run (1.0 = as fast as a copy).
 Usage::
 
     python benchmarks/bench_quantize.py --device cuda               # (169343, 256) fp32
-    python benchmarks/bench_quantize.py --device cpu --json out.json  # (16384, 256) fp32
+    python benchmarks/bench_quantize.py --device cpu --threads 1 --json out.json  # (16384, 256)
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def format_table(res: dict) -> str:
     head = (
         f"device={res['device']} path={res['path']} shape={tuple(res['shape'])} fp32 "
         f"G={res['group_size']} threads={res['threads']} torch={res['torch']}\n"
-        f"x.clone(): {res['copy_ms']:.3f} ms ({res['copy_gbps']:.1f} GB/s read+write)\n\n"
+        f"x.clone(): {res['copy_ms']:.3g} ms ({res['copy_gbps']:.3g} GB/s read+write)\n\n"
     )
     lines = [
         "| bits | quantize ms | GB/s | x copy | dequantize ms | GB/s | x copy | compression |",
@@ -107,10 +107,10 @@ def format_table(res: dict) -> str:
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['bits']} | {r['quantize_ms']:.2f} | {r['quantize_gbps']:.2f} "
-            f"| {r['quantize_x_copy']:.1f} | {r['dequantize_ms']:.2f} "
-            f"| {r['dequantize_gbps']:.2f} | {r['dequantize_x_copy']:.1f} "
-            f"| {r['compression']:.1f}x |"
+            f"| {r['bits']} | {r['quantize_ms']:.3g} | {r['quantize_gbps']:.3g} "
+            f"| {r['quantize_x_copy']:.3g} | {r['dequantize_ms']:.3g} "
+            f"| {r['dequantize_gbps']:.3g} | {r['dequantize_x_copy']:.3g} "
+            f"| {r['compression']:.3g}x |"
         )
     return head + "\n".join(lines)
 
@@ -125,8 +125,11 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=None, help="default 50 (cuda) / 7 (cpu)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     if args.rows is None:
         args.rows = 169343 if cuda else 16384

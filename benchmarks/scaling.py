@@ -67,29 +67,44 @@ def _parse_layers(text: str) -> dict[str, int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-gb", type=float, default=None,
-                   help="memory budget in GiB (default: 16 on CUDA, 1/32 on CPU)")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="memory budget in GiB (default: 16 on CUDA, 1/32 on CPU)",
+    )
     p.add_argument("--dataset", default="synthetic-ogbn-arxiv")
-    p.add_argument("--scale", type=float, default=None,
-                   help="synthetic graph scale (default: 1.0 on CUDA)")
-    p.add_argument("--num-nodes", type=int, default=None,
-                   help="synthetic graph nodes (default on CPU: 2000)")
+    p.add_argument(
+        "--scale", type=float, default=None, help="synthetic graph scale (default: 1.0 on CUDA)"
+    )
+    p.add_argument(
+        "--num-nodes", type=int, default=None, help="synthetic graph nodes (default on CPU: 2000)"
+    )
     p.add_argument("--models", default="gcn,gcnii")
     p.add_argument("--searches", default="depth,width", help="depth, width or both")
     p.add_argument("--depth-hidden", type=int, default=256, help="width of the depth search")
-    p.add_argument("--width-layers", default="gcn=3,gcnii=16",
-                   help="depth of the width search, per model")
+    p.add_argument(
+        "--width-layers", default="gcn=3,gcnii=16", help="depth of the width search, per model"
+    )
     p.add_argument("--max-depth", type=int, default=4096, help="cap of the depth search")
     p.add_argument("--max-width", type=int, default=1 << 15, help="cap of the width search")
     p.add_argument("--width-unit", type=int, default=8)
-    p.add_argument("--rel-tol", type=float, default=0.0,
-                   help="stop the binary search when within this fraction (0: exact)")
+    p.add_argument(
+        "--rel-tol",
+        type=float,
+        default=0.0,
+        help="stop the binary search when within this fraction (0: exact)",
+    )
     p.add_argument("--bits", default="4,2")
     p.add_argument("--no-adaptive", action="store_true", help="fixed bits even if adaptive works")
     p.add_argument("--no-l2", action="store_true")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for all searches (shared out evenly; each search returns the "
-                   "best value verified when its share runs out)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds for all searches (shared out evenly; each search returns the "
+        "best value verified when its share runs out)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="print every trial")
@@ -135,12 +150,13 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name(device) if on_cuda else _cpu_name(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "budget": "CUDA allocator cap (set_per_process_memory_fraction)" if on_cuda else
-        "byte accounting: params + buffers + grads + optimizer state + inputs + saved tensors",
+        "budget": "CUDA allocator cap (set_per_process_memory_fraction)"
+        if on_cuda
+        else "byte accounting: params + buffers + grads + optimizer state + inputs + saved tensors",
     }
     header = {
         "benchmark": "scaling",
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "env": env,
         "budget_gb": budget_gb,
         "graph": {"dataset": args.dataset, "num_nodes": graph.num_nodes,
@@ -231,8 +247,10 @@ def _fmt(row: dict | None) -> str:
         s = f">={s}"
     elif row.get("timed_out"):
         s = f">={s}*"
-    elif row.get("first_fail") is not None and row["first_fail"] - row["best"] > 1 and (
-        row["search"] == "depth" or row["first_fail"] - row["best"] > 8
+    elif (
+        row.get("first_fail") is not None
+        and row["first_fail"] - row["best"] > 1
+        and (row["search"] == "depth" or row["first_fail"] - row["best"] > 8)
     ):
         s = f"{s}-{row['first_fail'] - 1}"  # bracket left by --rel-tol
     return s

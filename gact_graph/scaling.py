@@ -217,9 +217,7 @@ def _probe(compress: dict[str, Any], steps: int = 3) -> tuple[bool, str]:
     graph = _tiny_graph()
     torch.manual_seed(0)
     model = build_model("gcn", 32, 4, num_layers=2, hidden_channels=64)
-    res = run_step(
-        lambda: model, graph, Method("probe", dict(compress, min_numel=0), steps=steps)
-    )
+    res = run_step(lambda: model, graph, Method("probe", dict(compress, min_numel=0), steps=steps))
     return res.reason == "ok", res.error or ""
 
 
@@ -348,7 +346,7 @@ def run_step(
     device = graph.device
     on_cuda = device.type == "cuda"
     t0 = time.perf_counter()
-    acct: dict[str, int] = {"inputs": graph.nbytes}
+    acct: dict[str, int] = {"inputs": graph.nbytes, "total": graph.nbytes}
     res = StepResult(fits=False, reason="error", bytes=acct)
     model = opt = ctl = guard = None
     if on_cuda:
@@ -465,7 +463,7 @@ def run_step(
             guard.remove()
         if ctl is not None:
             ctl.remove()
-        del model, opt, ctl, guard
+        model = opt = ctl = guard = None  # drop every reference to the trial's tensors
         # Young generations only: a full collection walks every object of the process (seconds
         # with torch_geometric loaded) and a trial's garbage is young. After an OOM, everything.
         if res.reason == "oom":

@@ -36,7 +36,8 @@ node the probe
    node (``torch.autograd.grad`` on a ``GradientEdge``, graph retained), which is the exact
    linear map the noise goes through;
 3. sums the perturbations of all nodes that read :math:`X_l` (same noise draw, so shared tensors
-   are counted with their correlations) and sets :math:`c_l = (2^{b_l} - 1)^2 \lVert \cdot \rVert^2`.
+   are counted with their correlations) and sets
+   :math:`c_l = (2^{b_l} - 1)^2 \lVert \cdot \rVert^2`.
 
 No forward is repeated and nothing is re-quantized; the cost is one replay of each node that
 holds a compressed tensor (about one extra backward in all) plus the partial backwards for
@@ -53,7 +54,6 @@ import math
 import threading
 import time
 import warnings
-import weakref
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -173,8 +173,9 @@ def _frozen_buffers(model: nn.Module):
 
 def _flat_grads(params: list[Tensor]) -> Tensor:
     parts = [
-        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device))
-        .double()
+        p.grad.detach().reshape(-1).double()
+        if p.grad is not None
+        else torch.zeros(p.numel(), dtype=torch.float64, device=p.device)
         for p in params
     ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
@@ -260,38 +261,19 @@ def _group_steps(q: QTensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, lo, 0.0)[:, None], torch.where(ok, scale, 0.0)[:, None]
 
 
-def _group_rounding_variance(x: Tensor, q: QTensor) -> Tensor:
-    """Per group of ``q``: the sum over its elements of ``f (1 - f)``, ``f`` the fractional
-    position of the element of ``x`` between two quantization levels; times ``step^2`` it is
-    the group's total stochastic-rounding variance (exact, from the values at pack time)."""
-    if q.num_groups == 0:
-        return torch.zeros(0, device=q.device)
-    lo, step = _group_steps(q)
-    xg = _grouped(q, x.detach().float(), float("nan"))
-    u = (xg - lo) / torch.where(step > 0, step, 1.0)
-    f = u - torch.floor(u)
-    ff = torch.nan_to_num(f * (1 - f), nan=0.0).clamp_(0.0, 0.25)
-    return torch.where(step > 0, ff, 0.0).sum(1)
-
-
-def _rounding_noise(q: QTensor, x_hat: Tensor, group_ff: Tensor | None, seed: int) -> Tensor:
-    """A Rademacher vector shaped like ``x_hat`` with, per element, the rounding variance of its
-    group: the measured group total (``group_ff * step^2``, see `_group_rounding_variance`)
-    spread evenly over the group's non-zero elements (exact zeros, e.g. ReLU outputs on a
-    level, had none), or without a measurement the uniform-fraction average ``step^2 / 6``."""
+def _rounding_noise(q: QTensor, x_hat: Tensor, seed: int) -> Tensor:
+    """A Rademacher vector shaped like ``x_hat``, scaled per element to the average
+    stochastic-rounding variance of its group, ``step^2 / 6`` (the mean of ``f (1 - f)`` over a
+    uniform fractional part ``f``), and zero on exact zeros (ReLU outputs sitting on a level
+    have no rounding noise)."""
     if q.num_groups == 0:
         return torch.zeros_like(x_hat, dtype=torch.float32)
     _, step = _group_steps(q)
     nz = _grouped(q, x_hat, 0.0) != 0
-    if group_ff is None:
-        var = step.square() / 6.0
-    else:
-        count = nz.sum(1, keepdim=True).clamp_min(1)
-        var = step.square() * group_ff.to(step.device)[:, None] / count
     gen = torch.Generator(device=x_hat.device)
     gen.manual_seed(seed)
     sign = torch.randint(0, 2, nz.shape, generator=gen, device=x_hat.device, dtype=torch.int8)
-    eps = (sign.float() * 2 - 1) * var.sqrt() * nz
+    eps = (sign.float() * 2 - 1).mul_(step / math.sqrt(6.0)).mul_(nz)
     return _ungrouped(q, eps)
 
 
@@ -332,7 +314,6 @@ class SensitivityProbe:
         self._params: list[Tensor] = []
         self._param_ids: set[int] = set()
         self._ctl_own: dict[str, Any] = {}
-        self._sr_var = weakref.WeakKeyDictionary()  # Stored -> per-group sum of f(1-f)
 
     # ---------------------------------------------------------------- arming
     def arm(self) -> None:
@@ -340,23 +321,19 @@ class SensitivityProbe:
             return
         self.armed = True
         ctl = self.ctl
-        # the controller enters its saved-tensor hooks with ``self._pack`` / ``self._unpack``
-        self._ctl_own = {k: ctl.__dict__[k] for k in ("_pack", "_unpack") if k in ctl.__dict__}
-        inner_pack, inner_unpack = ctl._pack, ctl._unpack
-
-        def pack(t):
-            return self._pack(t, inner_pack)
+        # the controller enters its saved-tensor hooks with ``self._unpack``
+        self._ctl_own = {k: ctl.__dict__[k] for k in ("_unpack",) if k in ctl.__dict__}
+        inner_unpack = ctl._unpack
 
         def unpack(stored):
             return self._unpack(stored, inner_unpack)
 
-        ctl._pack = pack
         ctl._unpack = unpack
         self._fwd_handle = ctl.model.register_forward_hook(self._after_forward)
 
     def _restore_unpack(self) -> None:
         ctl = self.ctl
-        for k in ("_pack", "_unpack"):
+        for k in ("_unpack",):
             if k in self._ctl_own:
                 setattr(ctl, k, self._ctl_own[k])
             else:
@@ -399,16 +376,6 @@ class SensitivityProbe:
     # ---------------------------------------------------------------- hooks
     def _busy(self) -> bool:
         return getattr(self._tls, "busy", False)
-
-    def _pack(self, t: Tensor, inner):
-        stored = inner(t)
-        p = getattr(stored, "payload", None)
-        if isinstance(p, QTensor) and stored not in self._sr_var and not self._busy():
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                self._sr_var[stored] = _group_rounding_variance(t.detach(), p)
-            self.seconds += time.perf_counter() - t0
-        return stored
 
     def _unpack(self, stored, inner):
         over = self._override.get(id(stored))
@@ -489,11 +456,11 @@ class SensitivityProbe:
         seed = _stable_seed(self.seed, stored.name)
         if isinstance(p, QTensor):
             bits = p.bits
-            eps = _rounding_noise(p, x_hat, self._sr_var.get(stored), seed)
-        else:  # kept as is (planned 32 bits): the variance 8-bit rounding would have
+            eps = _rounding_noise(p, x_hat, seed)
+        else:  # kept as is (planned 32 bits): the noise 8-bit rounding would add
             bits = 8
-            q = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
-            eps = _rounding_noise(q, x_hat, _group_rounding_variance(p, q), seed)
+            q8 = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
+            eps = _rounding_noise(q8, x_hat, seed)
         noisy = (x_hat.float() + eps).to(x_hat.dtype)
         self._noise[id(stored)] = (noisy, bits)
         self._bits[stored.name] = bits
@@ -560,7 +527,7 @@ class SensitivityProbe:
         for name, acc in self._acc.items():
             sq = sum(float(v.square().sum()) for v in acc.values())
             out[name] = sq * (2.0 ** self._bits[name] - 1.0) ** 2
-        for name, bits in self._bits.items():  # read, but its noise reached no parameter
+        for name in self._bits:  # read, but its noise reached no parameter
             out.setdefault(name, 0.0)
         for name in self.failed:
             out.pop(name, None)

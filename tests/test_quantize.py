@@ -134,6 +134,12 @@ def test_bits_validation(bits):
         quantize(torch.randn(4, 4), bits)
 
 
+def test_input_requiring_grad_is_not_tracked():
+    x = torch.randn(10, 300, requires_grad=True)
+    y = quantize(x, 4, seed=0).dequantize()
+    assert not y.requires_grad and y.grad_fn is None
+
+
 def test_type_validation():
     with pytest.raises(TypeError):
         quantize(torch.arange(10), 2)

@@ -54,12 +54,15 @@ def _gcnii(graph, depth):
     return GCNII(x.shape[1], HIDDEN, c, num_layers=depth, dropout=0.0)
 
 
-def _gcn(graph, depth):
-    # ResGCN with BatchNorm (DeepGCNs): without residuals a 128-layer GCN's signal vanishes and
-    # without BatchNorm its residual sum overflows. dropout=0: every pass sees the same forward.
+def _gcn(graph, depth, batch_norm=False, residual=False):
+    # Plain GCN by default (no BatchNorm: see test_deep_batchnorm_gcn_at_2_bits). Its signal
+    # shrinks with depth, but gradients stay finite and every layer's weights get one.
     x, _, _, c = graph
     torch.manual_seed(0)
-    return GCN(x.shape[1], HIDDEN, c, num_layers=depth, dropout=0.0, batch_norm=True, residual=True)
+    return GCN(
+        x.shape[1], HIDDEN, c, num_layers=depth, dropout=0.0, batch_norm=batch_norm,
+        residual=residual,
+    )  # fmt: skip
 
 
 def _grads(model, graph) -> tuple[float, list[torch.Tensor]]:
@@ -112,9 +115,7 @@ def _compressed_samples(model, graph, k, seed=0):
 
 
 # ------------------------------------------------------------------ deep models
-@pytest.mark.parametrize(
-    "build, depth", [(_gcnii, 256), (_gcn, 128)], ids=["gcnii-256", "gcn-128"]
-)
+@pytest.mark.parametrize("build, depth", [(_gcnii, 256), (_gcn, 128)], ids=["gcnii-256", "gcn-128"])
 def test_deep_model_trains_with_unbiased_gradients(graph, build, depth):
     torch.set_num_threads(1)  # small tensors: threads only add contention on a shared machine
     model = build(graph, depth)
@@ -132,19 +133,15 @@ def test_deep_model_trains_with_unbiased_gradients(graph, build, depth):
             ctl.iterate()
         stats = ctl.stats()
         # the pass was compressed, and far below what stock saves
-        assert stats["by_kind"]["activation"]["count"] >= depth
+        assert stats["by_kind"]["activation"]["count"] >= depth - 1  # the 1st input is x
         assert stats["total"]["ratio"] > 8, stats["total"]
 
         # unbiased: the mean's error is its standard error, not more
         ratios, shrinks = _bias_stats(reference, samples)
         assert len(ratios) >= depth // 2  # most layers' weights carry compression noise
         assert ratios.mean() < 2.5, (ratios.mean(), ratios.median())
-        if build is _gcnii:
-            # no BatchNorm: each weight gradient is linear in one quantized tensor, so errors
-            # of different seeds are independent and the mean of 2 has ~1/sqrt(2) the error.
-            # (A BatchNorm backward is nonlinear in its quantized input; noise then compounds
-            # through 128 layers and is too heavy-tailed for a 2-sample norm ratio.)
-            assert shrinks.median() < 0.8, shrinks.median()
+        # errors of different seeds are independent: the mean of 2 has ~1/sqrt(2) the error
+        assert shrinks.median() < 0.8, shrinks.median()
 
         # and it trains: two optimizer steps, finite throughout, weights move
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -159,6 +156,25 @@ def test_deep_model_trains_with_unbiased_gradients(graph, build, depth):
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finally:
         ctl.remove()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: a BatchNorm backward is nonlinear in its 2-bit input and the "
+    "error compounds with depth (16 layers: gradient error ~1e4 x the gradient; 64+: inf/nan)",
+)
+def test_deep_batchnorm_gcn_at_2_bits(graph):
+    """ResGCN with BatchNorm (the OGB GCN setup, made deep) at fixed 2 bits. Passing this
+    (gradient error below the gradient itself at 16 layers) means the limitation is gone:
+    then drop the xfail and move BatchNorm into the deep tests above."""
+    torch.set_num_threads(1)
+    model = _gcn(graph, 16, batch_norm=True, residual=True)
+    _, reference = _grads(model, graph)
+    with compress_gnn(model, bits=2):
+        _, grads = _grads(model, graph)
+    ref, got = torch.cat([g.flatten() for g in reference]), torch.cat([g.flatten() for g in grads])
+    assert torch.isfinite(got).all()
+    assert (got - ref).norm() < ref.norm()
 
 
 def test_unbiasedness_statistic_catches_a_biased_compressor(graph, monkeypatch):
@@ -261,7 +277,8 @@ def test_run_step_accounts_stock_like_saved_bytes_stats(graph):
     m = make()
     expected = saved_bytes_stats(m, lambda: m(x, edge_index))["total"]["stored_bytes"]
     assert res.bytes["saved"] == expected
-    assert res.bytes["optimizer"] == 2 * res.bytes["grads"]  # Adam's two moments
+    n_params = len(list(m.parameters()))  # Adam: two moments and a step count per tensor
+    assert 2 * res.bytes["grads"] <= res.bytes["optimizer"] <= 2 * res.bytes["grads"] + 8 * n_params
     assert res.bytes["total"] == sum(
         res.bytes[k] for k in ("params", "grads", "optimizer", "inputs", "saved")
     )
@@ -275,7 +292,7 @@ def test_scaling_search_goes_deeper_with_compression(graph):
     torch.set_num_threads(1)
     x, edge_index, y, c = graph
     g = GraphInputs(x, edge_index, y)
-    kwargs = dict(hidden_channels=HIDDEN, out_channels=c, dropout=0.0)
+    kwargs = dict(hidden_channels=HIDDEN, dropout=0.0)
 
     def make4():
         torch.manual_seed(0)
@@ -283,6 +300,7 @@ def test_scaling_search_goes_deeper_with_compression(graph):
 
     # the budget: what stock needs for 4 layers
     kwargs["budget_bytes"] = run_step(make4, g, Method("stock")).bytes["total"]
+    kwargs["out_channels"] = c
     stock = max_depth("gcn", g, Method("stock"), cap=64, **kwargs)
     ours = max_depth("gcn", g, Method("L1 2-bit", {"bits": 2}), cap=32, rel_tol=0.25, **kwargs)
     assert stock.error is None and ours.error is None

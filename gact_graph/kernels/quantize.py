@@ -244,6 +244,7 @@ def triton_quantize(
 ) -> tuple[Tensor, Tensor]:
     """Triton launcher: ``(packed uint8, meta bf16 (num_groups, 2))`` of ``x``."""
     _require_triton()
+    x = x.detach()
     layout = _resolve_layout(x.shape, group_size)
     packed = torch.empty(layout.packed_nbytes(bits), dtype=torch.uint8, device=x.device)
     meta = torch.empty((layout.num_groups, 2), dtype=torch.int16, device=x.device)
@@ -483,6 +484,7 @@ def quantize_reference(
     Vectorized per block of about ``chunk_elems`` group-matrix elements (at least one group,
     and whole rows when they fit), so peak extra memory is ``O(chunk_elems)``, not ``O(numel)``.
     """
+    x = x.detach()
     layout = _resolve_layout(x.shape, group_size)
     levels = (1 << bits) - 1
     g = layout.group_size
