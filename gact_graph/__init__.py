@@ -1,7 +1,8 @@
 """gact_graph: graph-aware activation compression for GNN training.
 
-Importing this package never initializes CUDA and never imports Triton; kernels are loaded
-lazily the first time a CUDA tensor is compressed.
+Importing this package never initializes CUDA. Our own modules never import Triton at import
+time (torch_geometric itself may, when Triton is installed); kernels are compiled lazily the first
+time a CUDA tensor is compressed, and every kernel has a PyTorch reference that is the CPU path.
 """
 
 from gact_graph.api import compress_gnn
