@@ -47,6 +47,7 @@ from gact_graph.models import preset  # noqa: E402
 from gact_graph.scaling import (  # noqa: E402
     GraphInputs,
     Method,
+    StepResult,
     build_model,
     cuda_budget,
     default_methods,
@@ -129,7 +130,7 @@ def main(argv=None) -> dict:
     budget = gib(budget_gb)
     generator = args.generator or ("fast" if on_cuda else "dataset")
     make_graph = fast_graph if generator == "fast" else dataset_graph
-    unit = args.unit or (50_000 if on_cuda else 250)
+    unit = args.unit or (1024 if on_cuda else 64)  # stock GAT fits few nodes: start small
     cap = args.max_nodes or (200_000_000 if on_cuda else 2_000_000)
     bits = tuple(int(b) for b in args.bits.split(","))
     methods, notes = default_methods(bits, adaptive=False if args.no_adaptive else None, l2=False)
@@ -209,17 +210,25 @@ def largest(model, method: Method, args, device, budget, make_graph, unit, cap, 
     sizes: dict[int, int] = {}
 
     def trial(num_nodes: int):
-        graph = make_graph(num_nodes, device, args.seed)
+        try:
+            graph = make_graph(num_nodes, device, args.seed)
+        except torch.OutOfMemoryError:  # the graph alone does not fit under the cap
+            graph = None
+        if graph is None:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return StepResult(fits=False, reason="oom")
         sizes[num_nodes] = graph.num_edges
         hidden = args.hidden or preset(model, "ogbn-products")["model"]["hidden_channels"]
 
         def make():
             torch.manual_seed(args.seed)
-            return build_model(model, graph.x.shape[1], PRODUCTS.num_classes,
+            return build_model(model, PRODUCTS.num_features, PRODUCTS.num_classes,
                                num_layers=args.num_layers, hidden_channels=hidden)  # fmt: skip
 
         res = run_step(make, graph, method, budget_bytes=None if device.type == "cuda" else budget)
-        del graph
+        del graph  # before the next candidate is made
         if args.verbose:
             b = res.bytes
             print(
@@ -271,8 +280,10 @@ def table(results: list[dict]) -> str:
     for r in results:
         base = stock.get(r["model"])
         ratio = "-"
-        if base and base["max_nodes"] and not r.get("error") and not base.get("error"):
-            ratio = f"{r['max_nodes'] / base['max_nodes']:.1f}"
+        ok = base and base["max_nodes"] and not r.get("error") and not base.get("error")
+        if ok and not base.get("capped") and not base.get("timed_out"):
+            bound = ">=" if r.get("capped") or r.get("timed_out") else ""
+            ratio = f"{bound}{r['max_nodes'] / base['max_nodes']:.1f}"
         edges = f"{r['max_edges']:,}" if r.get("max_edges") else "-"
         lines.append(
             f"| {r['model']} | {r['method']} | {_fmt(r)} | {edges} | "

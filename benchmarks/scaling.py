@@ -273,8 +273,10 @@ def table(results: list[dict]) -> str:
                 row = by.get((model, search, method))
                 base = by.get((model, search, stock)) if stock else None
                 ratio = "-"
-                if row and base and not row.get("error") and not base.get("error") and base["best"]:
-                    ratio = f"{row['best'] / base['best']:.1f}"
+                ok = row and base and not row.get("error") and not base.get("error")
+                if ok and base["best"] and not base.get("capped") and not base.get("timed_out"):
+                    bound = ">=" if row.get("capped") or row.get("timed_out") else ""
+                    ratio = f"{bound}{row['best'] / base['best']:.1f}"
                 cells += [_fmt(row), ratio]
             lines.append(f"| {model} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

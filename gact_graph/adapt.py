@@ -253,7 +253,9 @@ class Adapter:
     **Plan.** After each estimate, :func:`allocate_bits` spends the budget of an average of
     ``config.bits`` bits. Before the first estimate, every tensor gets the widest quantizer
     width not above the average (e.g. 2 for ``bits=3``): it never exceeds the budget. Tensors
-    first seen after a plan was made get that width too until the next estimate.
+    first seen after a plan was made get that width too until the next estimate. A re-plan
+    keeps the plan in force unless the new one predicts more than ``hysteresis`` (10 %) less
+    compression variance.
 
     **Schedule.** Without ``config.adapt_interval``, re-estimation starts every step and the
     interval doubles (up to ``max_interval``) while the plan is stable (at most 5 % of the
@@ -278,6 +280,7 @@ class Adapter:
         max_interval: int = 512,
         estimator: str = "probe",
         alert_share: float = 0.5,
+        hysteresis: float = 0.1,
     ) -> None:
         if config.bits is None:
             raise ValueError("adaptive compression needs an average bits budget, not None")
@@ -297,6 +300,7 @@ class Adapter:
         self.max_interval = int(max_interval)
         self.estimator = estimator
         self.alert_share = float(alert_share)
+        self.hysteresis = float(hysteresis)
         #: width of tensors not (yet) in the plan: the widest quantizer width <= the average
         self.default_bits = max(b for b in self.ladder if b <= self.avg_bits and b < 32)
         #: name -> (shape, D, meta bytes) of every tensor the plan covers
@@ -343,9 +347,9 @@ class Adapter:
         if self._last_call is not None:
             self.train_seconds += now - self._last_call
         try:
-            self._observe(ctl)
             if self.estimator == "two_seed":
                 if ctl.step >= self.next_estimate:
+                    self._observe(ctl)
                     if step_fn is None:
                         self._warn_once(
                             "step_fn",
@@ -360,6 +364,7 @@ class Adapter:
                 return
             probe = self._probe
             if probe is not None and probe.hooked and probe.ran:
+                self._observe(ctl)  # the tensors of the probed forward
                 est = probe.result()
                 self.probe_seconds += probe.seconds
                 failed = dict(probe.failed)
@@ -402,7 +407,7 @@ class Adapter:
             self.c[name] = val if old is None else self.ema * old + (1 - self.ema) * val
         self.n_estimates += 1
         old_plan = {n: ctl.plan.get(n, self.default_bits) for n in self.tensors}
-        plan = self.make_plan()
+        plan = self.make_plan(keep=old_plan)
         ctl.plan.update(plan)
         # Compression share of the gradient's mean square under the plan now in force: the
         # probed step measured E|g|^2 = signal + sampling variance + V_q(plan it ran with).
@@ -458,10 +463,13 @@ class Adapter:
         meta = [t[2] for t in self.tensors.values()]
         return budget_bits(self.avg_bits, D, meta)
 
-    def make_plan(self) -> dict[str, int]:
+    def make_plan(self, keep: dict[str, int] | None = None) -> dict[str, int]:
         """Allocate the budget over the known tensors from the current estimates.
 
         Tensors without an estimate count as sensitive as the median estimate per element.
+        With ``keep`` (the plan in force), that plan stays unless the new one lowers the
+        predicted variance by more than ``hysteresis`` (relative): single estimates are noisy,
+        and flipping widths on noise buys nothing.
         """
         names = list(self.tensors)
         if not names:
@@ -471,7 +479,16 @@ class Adapter:
         per_el = sorted(self.c[n] / max(1, self.tensors[n][1]) for n in names if n in self.c)
         fill = per_el[len(per_el) // 2] if per_el else 1.0
         c = [self.c[n] if n in self.c else fill * d for n, d in zip(names, D)]
-        bits = allocate_bits(c, D, self.budget(), self.ladder, meta)
+        budget = self.budget()
+        bits = allocate_bits(c, D, budget, self.ladder, meta)
+        if keep is not None and all(keep.get(n) in self.ladder for n in names):
+            old = [keep[n] for n in names]
+            new_var = sum(cl * S(b) for cl, b in zip(c, bits))
+            old_var = sum(cl * S(b) for cl, b in zip(c, old))
+            if plan_cost_bits(old, D, meta) <= budget and old_var <= new_var * (
+                1 + self.hysteresis
+            ):
+                bits = old
         return dict(zip(names, bits))
 
     # ---------------------------------------------------------------- misc
@@ -560,7 +577,7 @@ class Adapter:
 
 
 #: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads
-ADAPTER_OPTIONS = ("ladder", "ema", "max_interval", "estimator", "alert_share")
+ADAPTER_OPTIONS = ("ladder", "ema", "max_interval", "estimator", "alert_share", "hysteresis")
 
 
 def attach_adapter(ctl) -> Adapter:

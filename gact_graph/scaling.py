@@ -23,7 +23,9 @@ Two ways to enforce the budget:
   path, every tensor by reference) for stock PyG, so both sides count exactly the same way.
   Transient workspaces of forward and backward are not counted. A forward that crosses the
   budget is stopped early (a check every few convolutions), so a trial that does not fit costs
-  little time and little RAM.
+  little time and little RAM. Opt level L2 (swap to host memory) has no device to swap from on
+  CPU: its bookkeeping runs with plain copies (``swap_simulate=True``, every payload) and the
+  accounting leaves out what it moved, as a GPU would.
 
 `search_max` is the search: exponential growth from a start value until a trial fails, then
 binary search between the last success and the first failure (optionally stopping at a relative
@@ -339,50 +341,79 @@ def run_step(
     (``None``: no budget, just measure). The model and everything it allocated are released
     before returning.
     """
+    device = graph.device
+    on_cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    res = StepResult(fits=False, reason="error", bytes={"inputs": graph.nbytes})
+    res.bytes["total"] = graph.nbytes
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _train(model_fn, graph, method, None if on_cuda else budget_bytes, lr, optimizer, res)
+    except torch.OutOfMemoryError:  # CUDA (and CPU allocator) out of memory
+        res.reason = "oom"
+    except BudgetExceeded:  # from a forward outside the step loop (an adaptive re-estimation)
+        res.reason = "budget"
+    except Exception as exc:  # not a memory verdict: reported, never counted as "fits"
+        res.reason, res.error = "error", f"{type(exc).__name__}: {exc}"
+    # Out of the except clauses: the traceback, and the trial's frames and tensors it held,
+    # are gone. Young generations only: a full collection walks every object of the process
+    # (seconds with torch_geometric loaded) and a trial's garbage is young; after an OOM,
+    # everything, so the next trial starts from an empty cache.
+    if res.reason == "oom":
+        gc.collect()
+    else:
+        gc.collect(1)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        res.peak_bytes = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.empty_cache()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _train(model_fn, graph, method, budget_bytes, lr, optimizer, res: StepResult) -> None:
+    """The body of `run_step`: fills ``res``; raises on OOM and on errors. ``budget_bytes``
+    is the CPU accounting budget (``None`` on CUDA)."""
     from gact_graph import compress_gnn
     from gact_graph.config import CompressionConfig
     from gact_graph.controller import Controller
 
     device = graph.device
-    on_cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    acct: dict[str, int] = {"inputs": graph.nbytes, "total": graph.nbytes}
-    res = StepResult(fits=False, reason="error", bytes=acct)
-    model = opt = ctl = guard = None
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        model = model_fn().to(device)
-        model.train()
-        params = list(model.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        acct["params"] = sum(_tensor_bytes(p) for p in params) + sum(
-            _tensor_bytes(b) for b in model.buffers()
-        )
-        acct["grads"] = sum(_tensor_bytes(p) for p in trainable)
-        if optimizer == "adam":
-            opt = torch.optim.Adam(trainable, lr=lr)
-            acct["optimizer"] = 2 * acct["grads"]  # exp_avg, exp_avg_sq; measured after a step
-        elif optimizer == "sgd":
-            opt = torch.optim.SGD(trainable, lr=lr)
-            acct["optimizer"] = 0
-        else:
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
-        acct["saved"] = 0
-        fixed = acct["params"] + acct["grads"] + acct["optimizer"] + acct["inputs"]
-        acct["total"] = fixed
-        if budget_bytes is not None and not on_cuda and fixed > budget_bytes:
-            res.reason = "budget"
-            return res
+    acct = res.bytes
+    model = model_fn().to(device)
+    model.train()
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    acct["params"] = sum(_tensor_bytes(p) for p in params) + sum(
+        _tensor_bytes(b) for b in model.buffers()
+    )
+    acct["grads"] = sum(_tensor_bytes(p) for p in trainable)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(trainable, lr=lr)
+        acct["optimizer"] = 2 * acct["grads"]  # exp_avg, exp_avg_sq; measured after a step
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(trainable, lr=lr)
+        acct["optimizer"] = 0
+    else:
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+    acct["saved"] = 0
+    fixed = acct["params"] + acct["grads"] + acct["optimizer"] + acct["inputs"]
+    acct["total"] = fixed
+    if budget_bytes is not None and fixed > budget_bytes:
+        res.reason = "budget"
+        return
 
+    compress = None if method.is_stock else dict(method.compress)
+    simulate_swap = (
+        device.type != "cuda" and compress is not None and compress.get("opt_level") == "L2"
+    )
+    ctl = guard = None
+    try:
         with warnings.catch_warnings():
-            # adaptive-bit advice ("raise bits") is for training runs, not for memory trials
+            # adaptive-bit advice ("raise bits"), L2-on-CPU notes: for training runs, not here
             warnings.simplefilter("ignore", UserWarning)
-            compress = None if method.is_stock else dict(method.compress)
-            simulate_swap = (
-                not on_cuda and compress is not None and compress.get("opt_level") == "L2"
-            )
             if compress is None:
                 ctl = Controller(model, CompressionConfig(bits=None, sparse=False, pointwise=False))
             else:
@@ -403,7 +434,7 @@ def run_step(
                     saved -= swap.counters["offloaded_bytes"] - swapped_before[0]
                 return saved
 
-            if budget_bytes is not None and not on_cuda:
+            if budget_bytes is not None:
                 guard = _CpuGuard(model, device_saved, budget_bytes - fixed)
 
             mask = graph.train_mask
@@ -424,57 +455,38 @@ def run_step(
                 opt.zero_grad(set_to_none=True)
                 if swap is not None:
                     swapped_before[0] = swap.counters["offloaded_bytes"]
-                loss = forward_loss()
+                try:
+                    loss = forward_loss()
+                except BudgetExceeded:
+                    acct["saved"] = max(acct["saved"], guard.last)  # when it was stopped
+                    acct["total"] = fixed + acct["saved"]
+                    res.reason = "budget"
+                    return
                 saved = device_saved()
                 if swap is not None:
                     acct["swapped"] = int(ctl.stats()["total"]["stored_bytes"]) - saved
                 acct["saved"] = max(acct["saved"], saved)
                 acct["total"] = fixed + acct["saved"]
-                if budget_bytes is not None and not on_cuda and acct["total"] > budget_bytes:
-                    del loss
+                if budget_bytes is not None and acct["total"] > budget_bytes:
                     res.reason = "budget"
-                    return res
+                    return
                 loss.backward()
                 res.loss_finite &= bool(torch.isfinite(loss.detach()).item())
                 del loss
                 opt.step()
                 ctl.iterate(step_fn)
                 res.steps_done += 1
-        acct["optimizer"] = _optimizer_state_bytes(opt)  # exact, now that it exists
-        acct["total"] = sum(acct[k] for k in ("params", "grads", "optimizer", "inputs", "saved"))
-        if budget_bytes is not None and not on_cuda and acct["total"] > budget_bytes:
-            res.reason = "budget"
-        else:
-            res.fits, res.reason = True, "ok"
-        return res
-    except BudgetExceeded:
-        res.reason = "budget"
-        acct["saved"] = max(acct["saved"], guard.last)  # saved when the forward was stopped
-        acct["total"] = fixed + acct["saved"]
-        return res
-    except torch.OutOfMemoryError:  # CUDA (and CPU allocator) out of memory
-        res.reason = "oom"
-        return res
-    except Exception as exc:  # not a memory verdict: reported, never counted as "fits"
-        res.reason, res.error = "error", f"{type(exc).__name__}: {exc}"
-        return res
     finally:
         if guard is not None:
             guard.remove()
         if ctl is not None:
             ctl.remove()
-        model = opt = ctl = guard = None  # drop every reference to the trial's tensors
-        # Young generations only: a full collection walks every object of the process (seconds
-        # with torch_geometric loaded) and a trial's garbage is young. After an OOM, everything.
-        if res.reason == "oom":
-            gc.collect()
-        else:
-            gc.collect(1)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-            res.peak_bytes = int(torch.cuda.max_memory_allocated(device))
-            torch.cuda.empty_cache()
-        res.seconds = time.perf_counter() - t0
+    acct["optimizer"] = _optimizer_state_bytes(opt)  # exact, now that it exists
+    acct["total"] = sum(acct[k] for k in ("params", "grads", "optimizer", "inputs", "saved"))
+    if budget_bytes is not None and acct["total"] > budget_bytes:
+        res.reason = "budget"
+    else:
+        res.fits, res.reason = True, "ok"
 
 
 @contextlib.contextmanager

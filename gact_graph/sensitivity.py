@@ -304,6 +304,7 @@ class SensitivityProbe:
         self.grad_sq = 0.0  # squared norm of the parameter gradient of the probed backward
         self.failed: dict[str, str] = {}
         self._acc: dict[str, dict[int, Tensor]] = {}
+        self._sq: dict[str, float] = {}
         self._bits: dict[str, int] = {}
         self._numel: dict[str, int] = {}
         self._noise: dict[int, tuple[Tensor, int]] = {}  # id(stored) -> (x_hat + eps, bits)
@@ -513,6 +514,14 @@ class SensitivityProbe:
             for p, r in zip(self._params, res):
                 if r is not None:
                     self._add(acc, p, r)
+        # A tensor saved once is read by this node only: reduce it to its squared norm now
+        # rather than hold a parameter-sized vector per tensor until the end of backward.
+        rec = getattr(self.ctl, "_record_of", {}).get(stored.name)
+        if rec is not None and rec.get("uses") == 1:
+            acc = self._acc.pop(stored.name)
+            self._sq[stored.name] = self._sq.get(stored.name, 0.0) + sum(
+                float(v.square().sum()) for v in acc.values()
+            )
 
     @staticmethod
     def _add(acc: dict[int, Tensor], p: Tensor, d: Tensor) -> None:
@@ -523,10 +532,10 @@ class SensitivityProbe:
     def result(self) -> dict[str, float]:
         """``{name: c_l}`` for every compressed tensor the probed backward read."""
         t0 = time.perf_counter()
-        out = {}
+        sq = dict(self._sq)
         for name, acc in self._acc.items():
-            sq = sum(float(v.square().sum()) for v in acc.values())
-            out[name] = sq * (2.0 ** self._bits[name] - 1.0) ** 2
+            sq[name] = sq.get(name, 0.0) + sum(float(v.square().sum()) for v in acc.values())
+        out = {name: v * (2.0 ** self._bits[name] - 1.0) ** 2 for name, v in sq.items()}
         for name in self._bits:  # read, but its noise reached no parameter
             out.setdefault(name, 0.0)
         for name in self.failed:
@@ -546,6 +555,7 @@ class SensitivityProbe:
         self._noise.clear()
         self._override.clear()
         self._acc.clear()
+        self._sq.clear()
         self.armed = False
 
 

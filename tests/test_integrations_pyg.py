@@ -41,10 +41,7 @@ def cora(cora_root):
 
 def _model(data):
     torch.manual_seed(0)
-    return GCN(
-        data.num_features, 16, data.num_classes, num_layers=2, dropout=0.5,
-        input_dropout=0.5, batch_norm=False,
-    )  # fmt: skip
+    return GCN(data.num_features, 16, data.num_classes, num_layers=2, dropout=0.5, batch_norm=False)
 
 
 def _test_acc(model, data):
@@ -54,7 +51,10 @@ def _test_acc(model, data):
     return (pred[data.test_mask] == data.y[data.test_mask]).float().mean().item()
 
 
-def _train_stock(data, epochs=100):
+EPOCHS = 40  # the doc's 200, shortened for CI
+
+
+def _train_stock(data, epochs=EPOCHS):
     model = _model(data)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     for _ in range(epochs):
@@ -67,13 +67,17 @@ def _train_stock(data, epochs=100):
 
 
 def test_doc_example_trains_like_stock(cora_root, cora, capsys):
-    code = doc_example("pyg").replace('root = "data/planetoid"', f"root = {str(cora_root)!r}")
-    assert f"root = {str(cora_root)!r}" in code
+    code = doc_example("pyg")
+    for old, new in [('root = "data/planetoid"', f"root = {str(cora_root)!r}"),
+                     ("epochs = 200", f"epochs = {EPOCHS}")]:  # fmt: skip
+        assert old in code
+        code = code.replace(old, new)
     ns: dict = {"__name__": "__doc_example__"}
     exec(compile(code, str(DOC), "exec"), ns)
     acc, stats = ns["acc"], ns["stats"]
     stock = _train_stock(cora)
-    print(f"pyg loop on Cora: stock {stock:.3f}, 2-bit {acc:.3f}, stats {stats}")
+    with capsys.disabled():
+        print(f"pyg loop on Cora: stock {stock:.3f}, 2-bit {acc:.3f}, stats {stats}")
     assert stock > 0.75 and acc > 0.75
     assert abs(acc - stock) < 0.04
     assert stats["ratio"] > 2.0 and stats["stored_bytes"] > 0

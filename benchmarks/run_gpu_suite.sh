@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of the project in one go, inside one device call of under 10 minutes.
+#
+#   bash benchmarks/run_gpu_suite.sh            # results in $OUT (device tool) or results/gpu/
+#   SUITE_BUDGET=900 bash benchmarks/run_gpu_suite.sh   # a longer run, elsewhere
+#
+# Stages (each with a hard time limit and, where the script has one, a soft --time-budget
+# slightly below it so it writes its JSON before the limit):
+#   quantize   benchmarks/bench_quantize.py --device cuda     kernel bandwidth per bit width
+#   memory     benchmarks/activation_memory.py --device cuda  saved bytes and peak per method
+#   step_time  benchmarks/step_time.py --device cuda          step time, stock vs ours
+#   scaling    benchmarks/scaling.py --device cuda --budget-gb 16   deepest / widest GCN, GCNII
+#   largest    benchmarks/largest_graph.py --device cuda --budget-gb 16   largest graph, GAT/GCN
+#
+# Writes at most 8 files (what the device tool brings back): one JSON per stage, suite.json
+# (environment, each stage's command, exit code and seconds), suite.log (every stage's output)
+# and SUMMARY.md (the tables, ready for docs/results/). A stage that fails or runs out of time
+# does not stop the others. Limits are environment variables (seconds): SUITE_BUDGET (all,
+# default 560), T_QUANTIZE (40), T_MEMORY (170), T_STEP (70), T_SCALING (160), T_LARGEST
+# (110); SCALING_BUDGET_GB and LARGEST_BUDGET_GB (default 16, GACT's GPU).
+#
+# From a session with a GPU lent (device tool), then copy the tables into docs/results/:
+#   run(command="bash benchmarks/run_gpu_suite.sh", timeout_s=600)
+set -u
+
+cd "$(dirname "$0")/.."
+OUTDIR="${OUT:-results/gpu}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PYTHONUNBUFFERED=1
+LOG="$OUTDIR/suite.log"
+STAGES="$OUTDIR/.stages.tsv"
+: >"$LOG"
+: >"$STAGES"
+
+SUITE_BUDGET="${SUITE_BUDGET:-560}"
+T_QUANTIZE="${T_QUANTIZE:-40}"
+T_MEMORY="${T_MEMORY:-170}"
+T_STEP="${T_STEP:-70}"
+T_SCALING="${T_SCALING:-160}"
+T_LARGEST="${T_LARGEST:-110}"
+# SUITE_DEVICE=cpu and the *_ARGS variables (extra arguments per stage, word-split) exist to
+# dry-run the suite's mechanics on a machine without a GPU, with tiny sizes.
+DEV="${SUITE_DEVICE:-cuda}"
+SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
+LARGEST_BUDGET_GB="${LARGEST_BUDGET_GB:-16}"
+START=$(date +%s)
+
+# run_stage NAME LIMIT CMD...: run CMD under `timeout LIMIT` (cut to what is left of the
+# suite's budget), appending its output to suite.log and a row to the stage table.
+run_stage() {
+    local name="$1" limit="$2"
+    shift 2
+    local left=$((SUITE_BUDGET - ($(date +%s) - START)))
+    if ((left < 15)); then
+        echo "== $name: skipped, ${left}s left of the suite's ${SUITE_BUDGET}s" | tee -a "$LOG"
+        printf '%s\t%s\t%s\t%s\n' "$name" "skipped" "0" "$*" >>"$STAGES"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$(date +%s)
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    local dt=$(($(date +%s) - t0))
+    echo "== $name: exit $rc after ${dt}s" | tee -a "$LOG"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$*" >>"$STAGES"
+}
+
+{
+    echo "== environment"
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+    "$PY" -c 'import torch, torch_geometric, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "pyg", torch_geometric.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' 2>&1 || true
+    git rev-parse HEAD 2>/dev/null || echo "git revision unknown"
+} >>"$LOG" 2>&1
+
+run_stage quantize "$T_QUANTIZE" \
+    "$PY" benchmarks/bench_quantize.py --device "$DEV" --json "$OUTDIR/bench_quantize.json" \
+    ${QUANTIZE_ARGS:-}
+
+if grep -q -- '"--device"' benchmarks/activation_memory.py; then
+    # each configuration runs in its own process (import + graph + steps); 12 of them
+    run_stage memory "$T_MEMORY" \
+        "$PY" benchmarks/activation_memory.py --device "$DEV" --timeout 40 \
+        --json "$OUTDIR/activation_memory.json" ${MEMORY_ARGS:-}
+else
+    echo "== memory: benchmarks/activation_memory.py has no --device flag; skipped" | tee -a "$LOG"
+fi
+
+run_stage step_time "$T_STEP" \
+    "$PY" benchmarks/step_time.py --device "$DEV" --warmup 2 --steps 10 \
+    --time-budget $((T_STEP - 25)) --json "$OUTDIR/step_time.json" ${STEP_ARGS:-}
+
+run_stage scaling "$T_SCALING" \
+    "$PY" benchmarks/scaling.py --device "$DEV" --budget-gb "$SCALING_BUDGET_GB" --rel-tol 0.05 \
+    --time-budget $((T_SCALING - 35)) --json "$OUTDIR/scaling.json" ${SCALING_ARGS:-}
+
+run_stage largest "$T_LARGEST" \
+    "$PY" benchmarks/largest_graph.py --device "$DEV" --budget-gb "$LARGEST_BUDGET_GB" \
+    --rel-tol 0.1 --time-budget $((T_LARGEST - 30)) --json "$OUTDIR/largest_graph.json" \
+    ${LARGEST_ARGS:-}
+
+# suite.json and SUMMARY.md from what the stages wrote
+"$PY" - "$OUTDIR" "$STAGES" "$START" <<'EOF' >>"$LOG" 2>&1
+import json, sys, time
+from pathlib import Path
+
+sys.path.insert(0, "benchmarks")
+out, stages_file, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+stages = []
+for line in stages_file.read_text().splitlines():
+    name, rc, secs, cmd = line.split("\t", 3)
+    stages.append({"stage": name, "exit": rc, "seconds": int(secs), "command": cmd})
+log = (out / "suite.log").read_text(errors="replace")
+env = log.split("== environment", 1)[-1].split("== ", 1)[0].strip().splitlines()
+suite = {"stages": stages, "environment": env, "wall_seconds": int(time.time()) - start}
+(out / "suite.json").write_text(json.dumps(suite, indent=1))
+
+parts = ["# GPU benchmark suite", "", "Environment:", "", *[f"    {e}" for e in env], ""]
+parts += ["| stage | exit | seconds |", "| --- | --- | ---: |"]
+parts += [f"| {s['stage']} | {s['exit']} | {s['seconds']} |" for s in stages]
+renderers = {
+    "activation_memory.json": ("activation_memory", "Activation memory"),
+    "step_time.json": ("step_time", "Step time"),
+    "scaling.json": ("scaling", "Scaling (max depth / width)"),
+    "largest_graph.json": ("largest_graph", "Largest graph"),
+}
+for fname, (module, title) in renderers.items():
+    path = out / fname
+    parts += ["", f"## {title}", ""]
+    if not path.exists():
+        parts.append(f"(no {fname}: see suite.log)")
+        continue
+    try:
+        data = json.loads(path.read_text())
+        mod = __import__(module)
+        parts += [f"`{data.get('command', '')}`", "", mod.table(data["results"])]
+    except Exception as exc:  # keep the raw file; say why the table is missing
+        parts.append(f"(could not render {fname}: {type(exc).__name__}: {exc})")
+q = out / "bench_quantize.json"
+parts += ["", "## Quantize kernels", ""]
+parts.append(f"```\n{q.read_text()[:4000]}\n```" if q.exists() else "(no bench_quantize.json)")
+(out / "SUMMARY.md").write_text("\n".join(parts) + "\n")
+print("wrote", out / "suite.json", "and", out / "SUMMARY.md")
+EOF
+rm -f "$STAGES" "$OUTDIR"/*.tmp
+echo "== suite done in $(($(date +%s) - START))s; results in $OUTDIR" | tee -a "$LOG"

@@ -1,0 +1,125 @@
+"""CogDL integration (needs ``pip install gact_graph[cogdl]``; CI does not install CogDL: it
+pulls transformers, gensim and numba, and JIT-compiles C++ extensions at import)."""
+
+import copy
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+cogdl = pytest.importorskip("cogdl")
+
+from cogdl.datasets.planetoid_data import CoraDataset  # noqa: E402
+from cogdl.models.nn.gcn import GCN as CogGCN  # noqa: E402
+
+from gact_graph.integrations import cogdl as gact_cogdl  # noqa: E402
+from gact_graph.integrations.cogdl import GactModel, compress_cogdl  # noqa: E402
+from gact_graph.memory import saved_bytes_stats  # noqa: E402
+
+CORA = Path("/work/shared/data/planetoid")
+DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+
+
+@pytest.fixture(scope="module")
+def cora(tmp_path_factory):
+    if not (CORA / "Cora" / "raw").is_dir():
+        pytest.skip("Cora raw files not available")
+    root = tmp_path_factory.mktemp("cogdl_data")
+    shutil.copytree(CORA / "Cora" / "raw", root / "Cora" / "raw")
+    return root, CoraDataset(data_path=str(root))
+
+
+def _grads(model, graph):
+    model.zero_grad(set_to_none=True)
+    out = model(graph)
+    out[graph.train_mask].log_softmax(-1).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_routed_spmm_is_exact_and_saves_less(cora):
+    _, ds = cora
+    graph = ds.data
+    torch.manual_seed(0)
+    stock_model = CogGCN(ds.num_features, 32, ds.num_classes, 3, 0.0)
+    ref = _grads(stock_model, graph)
+    stock = saved_bytes_stats(stock_model, lambda: stock_model(graph))
+    assert gact_cogdl._spmm_utils.spmm is gact_cogdl._ORIGINAL_SPMM
+
+    ctl = compress_cogdl(stock_model, bits=None)
+    import cogdl.layers.gcn_layer as gcn_layer
+
+    assert gcn_layer.spmm is gact_cogdl.routed_spmm  # routed while a controller uses it
+    got = _grads(stock_model, graph)
+    ours = ctl.stats()
+    ctl.remove()
+    assert gcn_layer.spmm is gact_cogdl._ORIGINAL_SPMM
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+    # stock CogDL (CPU training path) saves the edge indices of every layer; the routed
+    # SpMM saves one shared adjacency, counted once
+    s_idx = stock["by_kind"]["index"]["orig_bytes"]
+    o_idx = ours["by_kind"]["index"]["stored_bytes"]
+    print(f"cogdl GCN x3 on Cora, index bytes: stock {s_idx}, routed {o_idx}; total "
+          f"stock {stock['total']['orig_bytes']}, lossless routed {ours['total']['stored_bytes']}")  # fmt: skip
+    assert o_idx < s_idx / 2
+    assert ours["total"]["stored_bytes"] < stock["total"]["orig_bytes"]
+
+
+def test_deepcopy_gives_an_independent_compressed_model(cora):
+    _, ds = cora
+    torch.manual_seed(0)
+    model = GactModel(CogGCN(ds.num_features, 16, ds.num_classes, 2, 0.5), bits=2)
+    model.train()
+    model(ds.data).sum().backward()
+    clone = copy.deepcopy(model)
+    assert isinstance(clone, GactModel) and clone.ctl is not model.ctl
+    assert clone.model is not model.model
+    clone(ds.data).sum().backward()
+    model(ds.data).sum().backward()
+    assert model.controller() is model.ctl  # the last training step ran here
+    assert clone.ctl.stats()["total"]["ratio"] > 5
+    del clone
+    model.remove()
+    assert getattr(model.model, "_gact_graph_controller", None) is None
+
+
+def test_experiment_trains_gcn_on_cora_compressed(cora, tmp_path, monkeypatch, capsys):
+    from cogdl import experiment
+
+    root, ds = cora
+    monkeypatch.chdir(tmp_path)  # CogDL writes ./checkpoints
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # CogDL's argument parser rewrites argv
+    torch.manual_seed(0)
+    model = GactModel(CogGCN(ds.num_features, 64, ds.num_classes, 2, 0.5), bits=2)
+    epochs = 40
+    result = experiment(
+        dataset=ds, model=model, epochs=epochs, cpu=True, seed=[0], progress_bar="none",
+        checkpoint_path=str(tmp_path / "model.pt"),
+    )  # fmt: skip
+    (acc,) = [r["test_acc"] for rs in result.values() for r in rs]
+    ctl = model.controller()
+    total = ctl.stats()["total"]
+    with capsys.disabled():
+        print(f"\ncogdl experiment GCN on Cora, 2 bits: test acc {acc:.3f}, {total}")
+    assert acc > 0.75
+    assert ctl.step == epochs - 1  # iterate() ran between the training steps
+    assert ctl.module_paths.get("cogdl.spmm") == "sparse-spmm"
+    assert total["ratio"] > 5  # the 1433-wide dropout output is stored in 2 bits
+
+
+def test_doc_example_runs(cora, tmp_path, monkeypatch):
+    root, _ = cora
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    m = re.search(r"<!-- example: cogdl -->\s*```python\n(.*?)```", DOC.read_text(), re.S)
+    assert m
+    code = m.group(1)
+    for old, new in [('root = "data"', f"root = {str(root)!r}"), ("epochs=200", "epochs=20")]:
+        assert old in code
+        code = code.replace(old, new)
+    ns: dict = {}
+    exec(compile(code, str(DOC), "exec"), ns)
+    assert ns["model"].controller().step == 19
