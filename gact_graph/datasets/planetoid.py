@@ -30,8 +30,12 @@ def planetoid_raw_files(name: str) -> list[str]:
     return [f"ind.{name.lower()}.{part}" for part in _PARTS]
 
 
-def load_planetoid(name: str, root: str) -> Data:
+def load_planetoid(name: str, root: str, normalize_features: bool = True) -> Data:
     """Load ``cora``, ``citeseer`` or ``pubmed`` (public split) from ``root``.
+
+    ``normalize_features`` row-normalizes the bag-of-words features to sum to one, as
+    ``torch_geometric.transforms.NormalizeFeatures`` does and as the GCN, GAT and GCNII papers
+    (and PyG's examples) train on them.
 
     Raises:
         DatasetNotFoundError: a required file is missing (nothing is downloaded).
@@ -48,6 +52,9 @@ def load_planetoid(name: str, root: str) -> Data:
         f"Get them from {_SOURCE}.",
     )
     data = Planetoid(root, pyg_name, split="public")[0]
+    if normalize_features:
+        x = data.x - data.x.min()
+        data.x = x / x.sum(dim=-1, keepdim=True).clamp(min=1.0)
     return finalize(
         data, name=info.name, num_classes=info.num_classes, multilabel=False, metric=info.metric
     )

@@ -34,8 +34,10 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
             ignored for synthetic graphs. Nothing is ever downloaded.
         adj_t: also attach ``data.adj_t``, the ``torch.sparse_csr`` GCN-normalized adjacency
             (otherwise :func:`~gact_graph.datasets.normalized_adjacency` makes it on request).
-        **kwargs: synthetic graphs only: ``scale``, ``num_nodes``, ``num_edges``, ``seed``, and
-            :func:`~gact_graph.datasets.make_synthetic_graph` options.
+        **kwargs: loader options. Planetoid: ``normalize_features`` (default ``True``: rows
+            sum to one, as the papers train). Synthetic graphs: ``scale``, ``num_nodes``,
+            ``num_edges``, ``seed``, and :func:`~gact_graph.datasets.make_synthetic_graph`
+            options.
 
     Raises:
         DatasetNotFoundError: a real dataset's files are missing; the message says which files
@@ -47,8 +49,6 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
 
         data = load_synthetic(key, **kwargs)
     else:
-        if kwargs:
-            raise TypeError(f"unexpected options for {name}: {sorted(kwargs)}")
         info = dataset_info(key)
         root = default_root() if root is None else str(root)
         if info.source == "ogb":
@@ -57,7 +57,7 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
             from gact_graph.datasets.graphsaint import load_graphsaint as loader
         else:
             from gact_graph.datasets.planetoid import load_planetoid as loader
-        data = loader(info.name, root)
+        data = loader(info.name, root, **kwargs)
     if adj_t:
         normalized_adjacency(data)
     return data

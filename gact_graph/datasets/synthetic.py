@@ -19,7 +19,12 @@ from torch import Tensor
 from torch_geometric.data import Data
 
 from gact_graph.datasets.info import DatasetInfo, dataset_info
-from gact_graph.datasets.preprocess import finalize, index_to_mask, pairs_to_edge_index
+from gact_graph.datasets.preprocess import (
+    finalize,
+    index_to_mask,
+    pairs_to_edge_index,
+    sorted_unique_,
+)
 
 __all__ = ["SYNTHETIC_DEFAULT", "make_synthetic_graph", "load_synthetic", "synthetic_info"]
 
@@ -188,13 +193,19 @@ def _planted_edges(
         before = pairs.numel()
         chunks = [pairs]
         for start in range(0, want, chunk_size):
-            chunks.append(torch.unique(sample_pairs(min(chunk_size, want - start))))
-        pairs = torch.unique(torch.cat(chunks))
+            chunks.append(sorted_unique_(sample_pairs(min(chunk_size, want - start))))
+        pairs = torch.cat(chunks)
         del chunks
+        pairs = sorted_unique_(pairs)
         new_per_sample = (pairs.numel() - before) / want
     if pairs.numel() > num_pairs:
-        keep = torch.randperm(pairs.numel(), generator=g)[:num_pairs]
-        pairs = pairs[torch.sort(keep).values]
+        # Drop the few surplus pairs at random positions (a mask, not a full permutation).
+        keep = torch.ones(pairs.numel(), dtype=torch.bool)
+        excess = pairs.numel() - num_pairs
+        while excess > 0:
+            keep[torch.randint(pairs.numel(), (excess,), generator=g)] = False
+            excess = int(keep.sum()) - num_pairs
+        pairs = pairs[keep]
     return pairs_to_edge_index(pairs, n)
 
 

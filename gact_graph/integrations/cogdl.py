@@ -168,6 +168,19 @@ def routed_spmm(graph, x, *args, **kwargs):
     return out
 
 
+def _mark_graph_inputs(ctl: Controller, graph) -> None:
+    """The tensors of a CogDL ``Graph`` are the model's inputs (alive anyway): keep them by
+    reference as kind ``input``, as the controller does for tensor arguments (it cannot look
+    inside a CogDL ``Graph``)."""
+    tensors = [graph[k] for k in graph.keys]
+    adj = getattr(graph, "_adj", None)
+    if adj is not None:
+        tensors += [getattr(adj, k, None) for k in ("row", "col", "row_ptr", "weight")]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            ctl.keep_lossless(t, "input")
+
+
 def patch_cogdl_spmm(ctl: Controller) -> None:
     """Route CogDL's ``spmm`` through gact_graph during ``ctl``'s forwards (undone by
     ``ctl.remove()``)."""
@@ -217,6 +230,9 @@ class GactModel(nn.Module):
                 self.ctl.iterate()  # the previous training step has finished
             self._trained_once = True
             self._shared["controller"] = self.ctl
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, _Graph):
+                    _mark_graph_inputs(self.ctl, a)
         return self.model(*args, **kwargs)
 
     def controller(self) -> Controller:
