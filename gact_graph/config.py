@@ -24,8 +24,7 @@ class CompressionConfig:
             budget (any number in [1, 8]) that the adaptive allocator spends. ``None`` or ``32``
             stores every saved tensor losslessly (graph-aware paths and deduplication stay on);
             that mode proves the graph-aware paths exact.
-        adaptive: choose bits per tensor from measured gradient sensitivity (GACT; the
-            default). ``False``: every tensor gets exactly ``bits``.
+        adaptive: choose bits per tensor from measured gradient sensitivity (GACT).
         group_size: elements per quantization group (ActNN's G); groups follow rows.
         min_numel: float tensors smaller than this are kept as they are (group metadata and
             kernel launches would cost more than they save).
@@ -39,7 +38,7 @@ class CompressionConfig:
     """
 
     bits: float | None = 2
-    adaptive: bool = True
+    adaptive: bool = False
     group_size: int = 256
     min_numel: int = 2048
     seed: int = 0

@@ -499,12 +499,11 @@ class _Segment:
                 by_view[view_key(value, storage_ref(value))] = spec[1]
         store: dict[int, Stored] = {}
         count = 0
-        seg_bytes = 0
         n = len(self.holders)
         counters = self.manager.counters
 
         def pack(t: Tensor) -> None:
-            nonlocal count, seg_bytes
+            nonlocal count
             i = count
             count += 1
             if i >= n:
@@ -526,7 +525,6 @@ class _Segment:
                     counters["recomputed_tensors"] += 1
                     counters["recomputed_orig_bytes"] += stored.orig_bytes
                     counters["recomputed_stored_bytes"] += stored.stored_bytes
-                    seg_bytes += stored.stored_bytes
             if count == n:
                 raise _StopRecompute
             return None
@@ -558,7 +556,6 @@ class _Segment:
                 f"recomputed but {n} in its forward; its forward must be deterministic"
             )
         counters["recomputes"] += 1
-        counters["max_segment_stored_bytes"] = max(counters["max_segment_stored_bytes"], seg_bytes)
         self.manager._label(ctl, self.path)
         return store
 
@@ -589,9 +586,7 @@ class CheckpointManager:
     A segment runs checkpointed only inside a forward the controller compresses (grad
     enabled, hooks active) and not nested in another segment; otherwise its forward runs as
     is. ``counters`` count segment calls, recomputations and the bytes the recomputations
-    stored (``recomputed_orig_bytes`` what they would have held uncompressed);
-    ``max_segment_stored_bytes`` is the most one recomputation held at once, what backward
-    holds on top of the forward's stored bytes.
+    stored (``recomputed_orig_bytes`` what they would have held uncompressed).
     """
 
     def __init__(self, ctl: Controller, spec=None) -> None:
@@ -604,7 +599,6 @@ class CheckpointManager:
             "recomputed_tensors": 0,
             "recomputed_orig_bytes": 0,
             "recomputed_stored_bytes": 0,
-            "max_segment_stored_bytes": 0,
         }
         for path, module in self.segments:
             self._wrap(ctl, path, module)
