@@ -1,7 +1,8 @@
 """Bytes saved for backward by the pointwise ops: per element (each op alone), and on a 3-layer
 GCN (256 hidden, BN, ReLU, dropout .5) and a GAT (ELU) on a 20k-node random graph.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/bench_pointwise.py   [OUT.json] (default bench_pointwise.json)
+Run: OMP_NUM_THREADS=1 python benchmarks/bench_pointwise.py [OUT.json]
+(default OUT: bench_pointwise.json)
 """
 
 import json
@@ -52,7 +53,7 @@ def per_element(n=20000, f=256):
     for name, op in OPS.items():
         for then_linear in (False, True):
             m = Op(op, then_linear, f)
-            stock = saved_bytes_stats(m, lambda: m(x))["total"]["orig_bytes"]
+            stock = saved_bytes_stats(m, lambda m=m: m(x))["total"]["orig_bytes"]
             row = {"op": name, "then_linear": then_linear, "stock": stock / numel}
             for bits in (None, 2):
                 for pw in (False, True):
@@ -75,30 +76,34 @@ def model_bytes(model, data, steps=3):
     stock = saved_bytes_stats(model, fwd)
     res = {"stock_MB": stock["total"]["orig_bytes"] / 2**20}
     for sparse in (False, True):
-      for bits in (None, 2):
-        for pw in (False, True):
-            with compress_gnn(model, bits=bits, pointwise=pw, sparse=sparse) as ctl:
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    out = fwd()
-                    st = ctl.stats()
-                    out.square().mean().backward()
-                    times.append(time.perf_counter() - t0)
-                    ctl.iterate()
-                key = f"sparse={sparse},bits={bits},pointwise={pw}"
-                res[key + "_MB"] = st["total"]["stored_bytes"] / 2**20
-                res[key + "_by_kind_MB"] = {
-                    k: round(v["stored_bytes"] / 2**20, 3) for k, v in st["by_kind"].items() if v["count"]
-                }
-                res[key + "_step_s"] = sorted(times)[len(times) // 2]
+        for bits in (None, 2):
+            for pw in (False, True):
+                with compress_gnn(model, bits=bits, pointwise=pw, sparse=sparse) as ctl:
+                    times = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        out = fwd()
+                        st = ctl.stats()
+                        out.square().mean().backward()
+                        times.append(time.perf_counter() - t0)
+                        ctl.iterate()
+                    key = f"sparse={sparse},bits={bits},pointwise={pw}"
+                    res[key + "_MB"] = st["total"]["stored_bytes"] / 2**20
+                    res[key + "_by_kind_MB"] = {
+                        k: round(v["stored_bytes"] / 2**20, 3)
+                        for k, v in st["by_kind"].items()
+                        if v["count"]
+                    }
+                    res[key + "_step_s"] = sorted(times)[len(times) // 2]
     return res
 
 
 def main():
     OUT["per_element"] = per_element()
     OUT["per_element_bf16_note"] = "float32 inputs, CPU"
-    print(f"{'op':<16} {'next saves y':<12} {'stock':>7} {'ours':>7} {'stock@2b':>9} {'ours@2b':>8}")
+    print(
+        f"{'op':<16} {'next saves y':<12} {'stock':>7} {'ours':>7} {'stock@2b':>9} {'ours@2b':>8}"
+    )
     for r in OUT["per_element"]:
         print(
             f"{r['op']:<16} {str(r['then_linear']):<12} {r['stock']:>7.3f} "

@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -31,8 +31,10 @@ forward, recomputation on the first unpack, early stop, RNG state restored, a ch
 recomputation saves what the forward did). Torch's own version keeps the recomputed tensors
 uncompressed until backward reads them and gives no way to change that, and its recomputation
 would run outside the controller's forward contexts (the pointwise mode), so it would save
-different tensors than the forward did. Torch's checkpoint inside a compressed model still
-composes with the controller (its inputs are saved through our hooks; tested).
+different tensors than the forward did. Torch's checkpoint inside a model compressed with
+``pointwise=False`` composes with the controller (its inputs are saved through our hooks;
+tested); with the pointwise mode on, its recomputation saves different tensors than its
+forward (a known limitation, kept as a strict xfail in ``tests/test_levels.py``).
 """
 
 from __future__ import annotations
@@ -499,11 +501,12 @@ class _Segment:
                 by_view[view_key(value, storage_ref(value))] = spec[1]
         store: dict[int, Stored] = {}
         count = 0
+        seg_bytes = 0
         n = len(self.holders)
         counters = self.manager.counters
 
         def pack(t: Tensor) -> None:
-            nonlocal count
+            nonlocal count, seg_bytes
             i = count
             count += 1
             if i >= n:
@@ -525,6 +528,7 @@ class _Segment:
                     counters["recomputed_tensors"] += 1
                     counters["recomputed_orig_bytes"] += stored.orig_bytes
                     counters["recomputed_stored_bytes"] += stored.stored_bytes
+                    seg_bytes += stored.stored_bytes
             if count == n:
                 raise _StopRecompute
             return None
@@ -556,6 +560,7 @@ class _Segment:
                 f"recomputed but {n} in its forward; its forward must be deterministic"
             )
         counters["recomputes"] += 1
+        counters["max_segment_stored_bytes"] = max(counters["max_segment_stored_bytes"], seg_bytes)
         self.manager._label(ctl, self.path)
         return store
 
@@ -586,7 +591,9 @@ class CheckpointManager:
     A segment runs checkpointed only inside a forward the controller compresses (grad
     enabled, hooks active) and not nested in another segment; otherwise its forward runs as
     is. ``counters`` count segment calls, recomputations and the bytes the recomputations
-    stored (``recomputed_orig_bytes`` what they would have held uncompressed).
+    stored (``recomputed_orig_bytes`` what they would have held uncompressed);
+    ``max_segment_stored_bytes`` is the most one recomputation held at once, what backward
+    holds on top of the forward's stored bytes.
     """
 
     def __init__(self, ctl: Controller, spec=None) -> None:
@@ -599,6 +606,7 @@ class CheckpointManager:
             "recomputed_tensors": 0,
             "recomputed_orig_bytes": 0,
             "recomputed_stored_bytes": 0,
+            "max_segment_stored_bytes": 0,
         }
         for path, module in self.segments:
             self._wrap(ctl, path, module)

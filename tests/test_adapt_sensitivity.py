@@ -1,6 +1,7 @@
 """Sensitivity estimation: the one-pass probe against GACT's Algorithm 1 (two seeds per tensor)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from gact_graph.sensitivity import (
     element_step,
     per_element,
     probe_sensitivity,
+    rounding_variance_factor,
     spearman,
     two_seed_sensitivity,
 )
@@ -122,6 +124,29 @@ def test_probe_is_exact_in_expectation_for_a_linear_layer():
     ctl.remove()
 
 
+def test_probe_replays_single_output_nodes_and_sums_shared_reads():
+    # The tanh output is read by TanhBackward (one output, grad = G (1 - y^2)) and by the
+    # next linear layer: one stored tensor, two nodes, one noise draw for both.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 6))
+    x0, target = torch.randn(400, 32), torch.randn(400, 6)
+    ctl = compress_gnn(model, bits=4, min_numel=0, sparse=False, pointwise=False)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x0), target).backward()
+
+    step()
+    (rec,) = [r for r in ctl.stats()["tensors"] if r["kind"] == "activation"]
+    assert rec["uses"] == 2
+    ref = two_seed_sensitivity(ctl, step, names=[rec["name"]], repeats=4)[rec["name"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no node may fail to replay
+        est = sum(probe_sensitivity(ctl, step, seed=s)[rec["name"]] for s in range(4)) / 4
+    assert 0.6 < est / ref < 1.6, (est, ref)
+    ctl.remove()
+
+
 def test_probe_agrees_with_algorithm_1_on_a_small_gcn():
     torch.manual_seed(0)
     x, ei, y = _graph()
@@ -198,7 +223,7 @@ def test_probing_leaves_the_training_gradient_unchanged():
     assert c and all(math.isfinite(v) and v >= 0 for v in c.values())
     assert torch.equal(_flat_grads(list(model.parameters())), ref)
     # and the probe leaves nothing behind
-    assert "_unpack" not in ctl.__dict__
+    assert "_unpack" not in ctl.__dict__ and "_pack" not in ctl.__dict__
     ctl.remove()
 
 
@@ -224,6 +249,48 @@ def test_probe_waits_for_a_forward_with_a_graph_and_counts_one_pass():
     c = probe.result()
     assert len(c) >= 5 and probe.grad_sq > 0
     probe.close()
+    ctl.remove()
+
+
+def test_rounding_variance_factor_sees_on_grid_and_smooth_data():
+    torch.manual_seed(0)
+    smooth = torch.randn(3000, 64)
+    assert rounding_variance_factor(smooth, quantize(smooth, 2, seed=0)) == pytest.approx(
+        1.0, abs=0.1
+    )
+    binary = (torch.rand(3000, 300) < 0.1).float() * 0.25  # bag-of-words features
+    # at 1 bit the step is exactly 0.25: every value sits on a level, rounding is exact
+    assert rounding_variance_factor(binary, quantize(binary, 1, seed=0)) == 0.0
+    # at 2 bits the bf16 step 0.0835 > 0.25 / 3 leaves 0.25 just below a level: nearly exact
+    assert rounding_variance_factor(binary, quantize(binary, 2, seed=0)) < 0.1
+
+
+def test_probe_matches_algorithm_1_on_nearly_exact_binary_features():
+    torch.manual_seed(0)
+    binary = (torch.rand(3000, 300) < 0.1).float() * 0.25
+    lin = nn.Linear(300, 16)
+
+    class Model(nn.Module):  # the binary tensor is made inside the forward, so it is saved
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x * 1.0)
+
+    model = Model()
+    y = torch.randn(3000, 16)
+    ctl = compress_gnn(model, bits=2, min_numel=0, sparse=False, pointwise=False)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(binary), y).backward()
+
+    step()
+    ref = two_seed_sensitivity(ctl, step, repeats=2)
+    (name,) = ref
+    est = sum(probe_sensitivity(ctl, step, seed=s)[name] for s in range(2)) / 2
+    assert 0.5 < est / ref[name] < 2.0, (est, ref)
     ctl.remove()
 
 

@@ -42,6 +42,8 @@ def _make(name, f=24, c=5, seed=0):
 def _step(model, x, ei, **kw):
     """One forward/backward (with compress_gnn(**kw) when kw is given): grads, BN buffers,
     controller stats and the level manager's counters."""
+    if kw:
+        kw.setdefault("adaptive", False)  # fixed bits: the comparisons below are exact
     ctl = compress_gnn(model, **kw) if kw else None
     try:
         torch.manual_seed(1)  # same dropout masks in every run
@@ -86,7 +88,7 @@ def test_l2_on_cpu_warns_once_and_equals_l1():
     ref, _, _, _ = _step(model, x, ei, bits=2)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        ctl = compress_gnn(model, bits=2, opt_level="L2")
+        ctl = compress_gnn(model, bits=2, adaptive=False, opt_level="L2")
         assert isinstance(ctl.level_manager, SwapManager)
         for _ in range(3):
             torch.manual_seed(1)
@@ -124,7 +126,9 @@ def test_l2_swap_is_bit_exact(name, bits):
 def test_l2_layers_and_release():
     x, ei = _graph()
     model = _make("gcn")
-    ctl = compress_gnn(model, bits=2, opt_level="L2", swap_simulate=True, swap_min_bytes=0)
+    ctl = compress_gnn(
+        model, bits=2, adaptive=False, opt_level="L2", swap_simulate=True, swap_min_bytes=0
+    )
     mgr = ctl.level_manager
     out = model(x, ei)
     layers = mgr._layers
@@ -233,7 +237,7 @@ def test_cb1_compresses_inputs_and_recomputed():
 def test_cb1_under_no_grad_and_remove():
     x, ei = _graph()
     model = _make("gcnii")
-    ctl = compress_gnn(model, bits=2, opt_level="CB1")
+    ctl = compress_gnn(model, bits=2, adaptive=False, opt_level="CB1")
     assert isinstance(ctl.level_manager, CheckpointManager)
     with torch.no_grad():
         model(x, ei)
@@ -360,7 +364,7 @@ def test_l2_swap_cuda_bit_exact_and_offloaded():
     x, ei = (t.to(dev) for t in _graph(n=20_000, f=64, e=200_000))
     model = _make("gcn", f=64).to(dev)
     ref, _, _, _ = _step(model, x, ei, bits=2)
-    ctl = compress_gnn(model, bits=2, opt_level="L2", swap_min_bytes=0)
+    ctl = compress_gnn(model, bits=2, adaptive=False, opt_level="L2", swap_min_bytes=0)
     torch.manual_seed(1)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -378,7 +382,7 @@ def test_l2_swap_cuda_bit_exact_and_offloaded():
     ctl.remove()
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
-    l1 = compress_gnn(model, bits=2)
+    l1 = compress_gnn(model, bits=2, adaptive=False)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -7,4 +7,5 @@ and this package imports no optional dependency until a submodule is imported:
 - `gact_graph.integrations.cogdl`: CogDL models and trainer (``pip install gact_graph[cogdl]``).
 """
 
-__all__ = ["pyg", "lightning", "cogdl"]
+# Empty on purpose: ``from gact_graph.integrations import *`` must not import optional packages.
+__all__: list[str] = []
