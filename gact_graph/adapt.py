@@ -400,8 +400,20 @@ class Adapter:
 
     def _update(self, ctl, est: dict[str, float], grad_sq: float | None, failed=()) -> None:
         prev = dict(self.c)
+        # A step whose gradients overflowed (fp16 without a scaler, a diverging loss) gives
+        # NaN/Inf estimates: they must not reach the plan, and must not stop training.
+        bad = sorted(n for n, v in est.items() if not (math.isfinite(v) and v >= 0))
+        if bad:
+            self._warn_once(
+                "nonfinite",
+                f"gact_graph: non-finite sensitivity estimates for {bad} at step {ctl.step} "
+                f"(non-finite gradients?); they keep their previous estimate",
+                depth=1,
+            )
+        if grad_sq is not None and not math.isfinite(grad_sq):
+            grad_sq = None
         for name, val in est.items():
-            if name not in self.tensors:
+            if name not in self.tensors or name in bad:
                 continue
             old = self.c.get(name)
             self.c[name] = val if old is None else self.ema * old + (1 - self.ema) * val

@@ -154,6 +154,31 @@ def test_no_alert_at_8_bits():
     assert adapter.last_share is not None and adapter.last_share < 1e-3
 
 
+def test_non_finite_gradients_warn_and_keep_the_plan_valid():
+    x, ei, y = _graph()
+    model = _model(batch_norm=False)
+    ctl = compress_gnn(model, bits=2, adaptive=True, min_numel=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x, ei), y)
+            if step == 0:
+                loss = loss * float("nan")  # the probed first step sees NaN gradients
+            loss.backward()
+            if step > 0:
+                opt.step()  # a scaler would skip the NaN step the same way
+            ctl.iterate()
+    msgs = [str(w.message) for w in rec if "non-finite sensitivity" in str(w.message)]
+    assert len(msgs) == 1
+    c = ctl.adapter.c
+    assert c and all(v >= 0 and v == v and v != float("inf") for v in c.values())
+    assert set(ctl.plan.values()) <= {1, 2, 4, 8, 32}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ctl.remove()
+
+
 def test_schedule_backs_off_and_adapt_interval_overrides_it():
     data = _graph()
     model = _model(batch_norm=False)
