@@ -6,7 +6,12 @@ each method:
 
 - ``stock``: PyTorch Geometric as is, FP32;
 - ``lossless``: ``compress_gnn(model, bits=None)`` (sparse paths and dedup, no quantization);
-- ``int4`` / ``int2``: ``compress_gnn(model, bits=4 / 2)`` (fixed bits),
+- ``int4`` / ``int2``: ``compress_gnn(model, bits=4 / 2, adaptive=False)`` (fixed bits);
+- ``pointwise``: only the pointwise ops of `gact_graph.ops` (1-bit masks, regenerated dropout,
+  inverted activations), everything else lossless (``bits=None, sparse=False``): what those ops
+  save alone;
+- ``int2-nopw``: ``int2`` with ``pointwise=False``, so ``int2`` against it is what the
+  pointwise ops add on top of quantization and the graph-aware paths,
 
 it measures
 
@@ -43,7 +48,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = {"stock": "stock", "lossless": None, "int4": 4, "int2": 2}
+#: method -> compress_gnn keyword arguments (None: stock PyG, nothing installed)
+METHODS = {
+    "stock": None,
+    "lossless": {"bits": None},
+    "int4": {"bits": 4, "adaptive": False},
+    "int2": {"bits": 2, "adaptive": False},
+    "pointwise": {"bits": None, "sparse": False},
+    "int2-nopw": {"bits": 2, "adaptive": False, "pointwise": False},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="activation_memory.json", help="where to write results")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
+    p.add_argument(
+        "--saved-only",
+        action="store_true",
+        help="measure saved bytes from forward passes only (no backward, no peak): what a\n"
+        "full-scale table costs on a CPU",
+    )
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -107,10 +126,14 @@ def run_one(args: argparse.Namespace, model_name: str, method: str) -> dict:
     if method == "stock":
         stats = saved_bytes_stats(model, forward)
         result["saved_bytes"] = stats["total"]["orig_bytes"]
-        step()  # warm-up
+        if not args.saved_only:
+            step()  # warm-up
     else:
-        ctl = compress_gnn(model, bits=METHODS[method])
-        step()  # warm-up: builds the shared adjacency
+        ctl = compress_gnn(model, **METHODS[method])
+        if args.saved_only:
+            forward()  # warm-up: builds the shared adjacency
+        else:
+            step()  # warm-up: builds the shared adjacency
         out = forward()  # the stats of one forward
         stats = ctl.stats()
         result["saved_bytes"] = stats["total"]["stored_bytes"]
@@ -126,6 +149,10 @@ def run_one(args: argparse.Namespace, model_name: str, method: str) -> dict:
         for k, v in stats["by_kind"].items()
     }
 
+    if args.saved_only:
+        if ctl is not None:
+            ctl.remove()
+        return result
     _release_free_memory(device)
     t0 = time.perf_counter()
     with PeakMemory(device) as pm:
@@ -164,22 +191,25 @@ def _mb(b: float) -> str:
 
 def table(results: list[dict]) -> str:
     head = (
-        f"{'model':<6} {'method':<9} {'saved MB':>9} {'x stock':>8} {'peak MB':>9} "
+        f"{'model':<6} {'method':<10} {'saved MB':>9} {'x stock':>8} {'peak MB':>9} "
         f"{'step MB':>9} {'x stock':>8} {'sec':>6}"
     )
     rows = [head, "-" * len(head)]
     stock = {r["model"]: r for r in results if r.get("method") == "stock" and "error" not in r}
     for r in results:
         if "error" in r:
-            rows.append(f"{r['model']:<6} {r['method']:<9} ERROR {r['error'][:60]}")
+            rows.append(f"{r['model']:<6} {r['method']:<10} ERROR {r['error'][:60]}")
             continue
         s = stock.get(r["model"])
-        step = r["peak_bytes"] - r["base_bytes"]
         ratio_saved = f"{s['saved_bytes'] / r['saved_bytes']:8.2f}" if s else f"{'':>8}"
+        if "peak_bytes" not in r:  # --saved-only
+            rows.append(f"{r['model']:<6} {r['method']:<10} {_mb(r['saved_bytes'])} {ratio_saved}")
+            continue
+        step = r["peak_bytes"] - r["base_bytes"]
         s_step = (s["peak_bytes"] - s["base_bytes"]) if s else 0
         ratio_step = f"{s_step / step:8.2f}" if s and step > 0 else f"{'':>8}"
         rows.append(
-            f"{r['model']:<6} {r['method']:<9} {_mb(r['saved_bytes'])} {ratio_saved} "
+            f"{r['model']:<6} {r['method']:<10} {_mb(r['saved_bytes'])} {ratio_saved} "
             f"{_mb(r['peak_bytes'])} {_mb(step)} {ratio_step} {r['step_seconds']:6.1f}"
         )
     return "\n".join(rows)
@@ -206,7 +236,7 @@ def main(argv=None) -> int:
             cmd = [
                 sys.executable, __file__, "--worker", model, method, "--dataset", args.dataset,
                 "--scale", str(args.scale), "--device", args.device, "--seed", str(args.seed),
-            ]  # fmt: skip
+            ] + (["--saved-only"] if args.saved_only else [])  # fmt: skip
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(

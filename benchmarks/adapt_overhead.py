@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
         models[kind] = m
         opts[kind] = torch.optim.Adam(m.parameters(), lr=cfg["lr"])
         if kind == "fixed":
-            ctls[kind] = compress_gnn(m, bits=fixed_bits)
+            ctls[kind] = compress_gnn(m, bits=fixed_bits, adaptive=False)
         else:
             ctls[kind] = compress_gnn(m, bits=args.bits, adaptive=True)
     mask = data.train_mask

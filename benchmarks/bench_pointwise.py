@@ -57,7 +57,9 @@ def per_element(n=20000, f=256):
             row = {"op": name, "then_linear": then_linear, "stock": stock / numel}
             for bits in (None, 2):
                 for pw in (False, True):
-                    with compress_gnn(m, bits=bits, pointwise=pw, sparse=False) as ctl:
+                    with compress_gnn(
+                        m, bits=bits, adaptive=False, pointwise=pw, sparse=False
+                    ) as ctl:
                         out = m(x)
                         st = ctl.stats()
                         del out
@@ -78,7 +80,9 @@ def model_bytes(model, data, steps=3):
     for sparse in (False, True):
         for bits in (None, 2):
             for pw in (False, True):
-                with compress_gnn(model, bits=bits, pointwise=pw, sparse=sparse) as ctl:
+                with compress_gnn(
+                    model, bits=bits, adaptive=False, pointwise=pw, sparse=sparse
+                ) as ctl:
                     times = []
                     for _ in range(steps):
                         t0 = time.perf_counter()

@@ -40,8 +40,8 @@ from gact_graph.scaling import adaptive_works  # noqa: E402
 
 METHODS = {
     "stock": None,
-    "L1-4bit": {"bits": 4},
-    "L1-2bit": {"bits": 2},
+    "L1-4bit": {"bits": 4, "adaptive": False},
+    "L1-2bit": {"bits": 2, "adaptive": False},
     "L1-2bit-adaptive": {"bits": 2, "adaptive": True},
     "lossless": {"bits": None},
 }

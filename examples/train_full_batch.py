@@ -200,8 +200,15 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
                 break
     bar.close()
 
+    adapt = None
     if ctl is not None:
         act_stored = stats["total"]["stored_bytes"]
+        if ctl.adapter is not None:  # what adaptation cost, over the whole run
+            adapt = {
+                "overhead": ctl.adapter.overhead(),
+                "estimates": ctl.adapter.n_estimates,
+                "plan": dict(ctl.plan),
+            }
         ctl.remove()
     # What stock PyTorch would save for one training forward of the final model (after
     # training, so it changes neither the RNG stream nor the measured peak).
@@ -223,6 +230,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         "activation_bytes_fp32": int(act_fp32),
         "activation_bytes_stored": int(act_stored),
         "epoch_time_s": statistics.fmean(timed),
+        "adaptation": adapt,
     }
 
 
@@ -254,6 +262,11 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
         "activation_bytes_stored": int(stored),
         "compression_ratio": fp32 / stored if stored else None,
         "epoch_time_s": statistics.fmean(r["epoch_time_s"] for r in per_seed),
+        "adapt_overhead": (
+            statistics.fmean(r["adaptation"]["overhead"] for r in per_seed)
+            if all(r["adaptation"] for r in per_seed)
+            else None
+        ),
         "per_seed": per_seed,
     }
 
@@ -303,6 +316,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{_mib(summary['activation_bytes_stored'])} stored"
         + (f" ({ratio:.1f}x)" if ratio else "")
         + f"\nepoch time: {1000 * summary['epoch_time_s']:.1f} ms (train step)"
+        + (
+            f"\nadaptation: {100 * summary['adapt_overhead']:.1f}% of training time"
+            if summary["adapt_overhead"] is not None
+            else ""
+        )
     )
     summary = {
         **summary,

@@ -20,7 +20,7 @@ def compress_gnn(
     model: nn.Module,
     bits: float | None = 2,
     *,
-    adaptive: bool = False,
+    adaptive: bool = True,
     group_size: int = 256,
     min_numel: int = 2048,
     seed: int = 0,

@@ -38,7 +38,7 @@ class CompressionConfig:
     """
 
     bits: float | None = 2
-    adaptive: bool = False
+    adaptive: bool = True
     group_size: int = 256
     min_numel: int = 2048
     seed: int = 0

@@ -88,7 +88,7 @@ def test_probe_is_exact_in_expectation_for_a_linear_layer():
     pre = nn.Linear(32, 48)
     model = nn.Sequential(pre, lin)  # pre's output is read in backward by lin only
     target = torch.randn(500, 6)
-    ctl = compress_gnn(model, bits=4, min_numel=0, sparse=False, pointwise=False)
+    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=0, sparse=False, pointwise=False)
     g_out = {}
     lin.register_full_backward_hook(lambda m, gi, go: g_out.__setitem__("G", go[0].detach()))
 
@@ -130,7 +130,7 @@ def test_probe_replays_single_output_nodes_and_sums_shared_reads():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 6))
     x0, target = torch.randn(400, 32), torch.randn(400, 6)
-    ctl = compress_gnn(model, bits=4, min_numel=0, sparse=False, pointwise=False)
+    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=0, sparse=False, pointwise=False)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -151,7 +151,7 @@ def test_probe_agrees_with_algorithm_1_on_a_small_gcn():
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = _WideNarrowGCN()
-    ctl = compress_gnn(model, bits=4, min_numel=256)
+    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     step()
     ref = two_seed_sensitivity(ctl, step, repeats=4)
@@ -169,7 +169,7 @@ def test_probe_agrees_with_algorithm_1_on_a_small_gat():
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = GAT(16, 8, 4, num_layers=3, heads=2, dropout=0.3, attn_dropout=0.1, batch_norm=True)
-    ctl = compress_gnn(model, bits=4, min_numel=256)
+    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     step()
     ref = two_seed_sensitivity(ctl, step, repeats=4)
@@ -189,7 +189,7 @@ def test_sum_of_c_times_S_predicts_the_measured_compression_variance(bits):
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = _WideNarrowGCN()
-    ctl = compress_gnn(model, bits=bits, min_numel=256)
+    ctl = compress_gnn(model, bits=bits, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     state = torch.get_rng_state()
     step()
@@ -213,7 +213,7 @@ def test_probing_leaves_the_training_gradient_unchanged():
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = _WideNarrowGCN()
-    ctl = compress_gnn(model, bits=2, min_numel=256)
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     state = torch.get_rng_state()
     step()
@@ -231,7 +231,7 @@ def test_probe_waits_for_a_forward_with_a_graph_and_counts_one_pass():
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = _WideNarrowGCN()
-    ctl = compress_gnn(model, bits=4, min_numel=256)
+    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=256)  # no adapter's probe
     probe = SensitivityProbe(ctl, min_numel=256)
     probe.arm()
     with torch.no_grad():
@@ -280,7 +280,7 @@ def test_probe_matches_algorithm_1_on_nearly_exact_binary_features():
 
     model = Model()
     y = torch.randn(3000, 16)
-    ctl = compress_gnn(model, bits=2, min_numel=0, sparse=False, pointwise=False)
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=0, sparse=False, pointwise=False)
 
     def step():
         model.zero_grad(set_to_none=True)

@@ -441,7 +441,9 @@ def test_state_dict_round_trip():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="fixed bits"):
-        compress_gnn(_mlp(), bits=3)
+        compress_gnn(_mlp(), bits=3, adaptive=False)
+    with pytest.raises(ValueError, match="average budget"):
+        compress_gnn(_mlp(), bits=12)  # adaptive (the default): an average in [1, 8]
     with pytest.raises(ValueError, match="group_size"):
         compress_gnn(_mlp(), bits=2, group_size=100)
     with pytest.raises(ValueError, match="opt_level"):
