@@ -172,8 +172,10 @@ def test_probe_agrees_with_algorithm_1_on_a_small_gat():
     ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     step()
-    ref = two_seed_sensitivity(ctl, step, repeats=4)
-    est = _averaged_probe(ctl, step, 4)
+    # BatchNorm saves its normalized input, whose sensitivity is close to its neighbours':
+    # 8 repeats on both sides keep the ranks out of the noise (measured rho 0.85; 4: 0.80)
+    ref = two_seed_sensitivity(ctl, step, repeats=8)
+    est = _averaged_probe(ctl, step, 8)
     names = sorted(ref)
     assert len(names) >= 5 and set(est) == set(names)
     rho = spearman([ref[n] for n in names], [est[n] for n in names])

@@ -178,23 +178,25 @@ def test_deep_model_trains_with_unbiased_gradients(graph, build, depth):
         assert ctl.stats()["total"]["ratio"] > 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known limitation: a BatchNorm backward is nonlinear in its 2-bit input and the "
-    "error compounds with depth (16 layers: gradient error ~1e4 x the gradient; 64+: inf/nan)",
-)
-def test_deep_batchnorm_gcn_at_2_bits(graph):
-    """ResGCN with BatchNorm (the OGB GCN setup, made deep) at fixed 2 bits. Passing this
-    (gradient error below the gradient itself at 16 layers) means the limitation is gone:
-    then drop the xfail and move BatchNorm into the deep tests above."""
-    model = _gcn(graph, 16, batch_norm=True, residual=True)
+@pytest.mark.parametrize("depth", [16, 128])
+def test_deep_batchnorm_gcn_at_2_bits(graph, depth):
+    """ResGCN with BatchNorm (the OGB GCN setup, made deep) at fixed 2 bits. BatchNorm saves
+    its normalized input (gact_graph.ops.batchnorm): quantizing the raw input instead gives
+    gradient errors ~1e4 x the gradient at 16 layers and inf/NaN at 64 (measured), because
+    row-wise rounding steps are multiplied by 1/std of narrow channels."""
+    model = _gcn(graph, depth, batch_norm=True, residual=True)
     _, reference = _grads(model, graph)
-    with compress_gnn(model, bits=2):
+    ref = torch.cat([g.flatten() for g in reference])
+    with compress_gnn(model, bits=2, adaptive=False):
         _, grads = _grads(model, graph)
-    ref, got = torch.cat([g.flatten() for g in reference]), torch.cat([g.flatten() for g in grads])
+    got = torch.cat([g.flatten() for g in grads])
     assert torch.isfinite(got).all()
-    assert (got - ref).norm() < ref.norm()
+    assert (got - ref).norm() < 0.8 * ref.norm()  # measured 0.44 (16) and 0.37 (128)
+    if depth == 16:  # the raw-input BatchNorm (pointwise ops off) is what fails
+        with compress_gnn(model, bits=2, adaptive=False, pointwise=False):
+            _, grads = _grads(model, graph)
+        raw = torch.cat([g.flatten() for g in grads])
+        assert not ((raw - ref).norm() < 10 * ref.norm())
 
 
 def test_unbiasedness_statistic_catches_a_biased_compressor(graph, monkeypatch):

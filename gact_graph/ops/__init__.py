@@ -4,6 +4,8 @@
 - `gact_graph.ops.dropout`: dropout saves the RNG state and regenerates its mask in backward.
 - `gact_graph.ops.inverted`: ELU, GELU, SiLU save their output plus a 1-bit branch indicator
   (the output is usually saved by the next layer anyway, and stored once).
+- `gact_graph.ops.batchnorm`: training-mode BatchNorm saves its normalized input instead of its
+  raw input (same bytes; the rounding error is no longer amplified by small channel spreads).
 - `gact_graph.ops.mode`: the `TorchFunctionMode` that routes those calls during the model's
   forward.
 
@@ -56,6 +58,7 @@ POINTWISE_MODULES = (
     nn.ELU,
     nn.GELU,
     nn.SiLU,
+    nn.modules.batchnorm._BatchNorm,  # training mode: saves the normalized input
 )
 
 

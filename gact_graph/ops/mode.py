@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from gact_graph.ops.batchnorm import batch_norm
 from gact_graph.ops.dropout import DropoutFunction
 from gact_graph.ops.inverted import TABLE_DTYPES, EluFunction, InvertedFunction
 from gact_graph.ops.masks import (
@@ -207,6 +208,27 @@ def _silu(functional: bool, inplace_fixed: bool) -> Handler:
     return handler
 
 
+# ---------------------------------------------------------------------------- batch norm
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+            "eps")  # fmt: skip
+_BN_DEFAULTS = (None, None, None, None, None, False, 0.1, 1e-5)
+
+
+def _batch_norm(args, kwargs):
+    a = [_arg(args, kwargs, i, k, d) for i, (k, d) in enumerate(zip(_BN_ARGS, _BN_DEFAULTS))]
+    x, rm, rv, w, b, training, momentum, eps = a
+    if (
+        not training
+        or not _wants_grad(x, kwargs)
+        or x.dim() < 2
+        or not _is_number(momentum)
+        or not _is_number(eps)
+        or any(t is not None and type(t) not in (Tensor, nn.Parameter) for t in (rm, rv, w, b))
+    ):
+        return NotImplemented
+    return batch_norm(x, rm, rv, w, b, float(momentum), float(eps))
+
+
 #: torch function -> handler(args, kwargs) returning the result or NotImplemented.
 HANDLERS: dict[Any, Handler] = {
     F.relu: _relu(None),
@@ -237,6 +259,7 @@ HANDLERS: dict[Any, Handler] = {
     F.silu: _silu(True, False),
     _nn.silu: _silu(False, False),
     _nn.silu_: _silu(False, True),
+    F.batch_norm: _batch_norm,
 }
 
 

@@ -1,0 +1,102 @@
+r"""Training-mode BatchNorm that saves its *normalized* input :math:`\hat x` instead of
+:math:`x`.
+
+Why: stock BatchNorm saves :math:`x` and rebuilds :math:`\hat x = (x - \mu)\, r` in backward
+(:math:`r = 1/\sqrt{\sigma^2 + \epsilon}` per channel). Quantization groups follow rows (one
+node's features), so the rounding step of a row is set by the row's widest feature, while
+:math:`r` is set per feature: a feature whose spread across nodes is small next to the row's
+range (a large mean, a narrow distribution) has its rounding error multiplied by a large
+:math:`r`. Measured on a 16-layer ResGCN at 2 bits: gradient errors ~1e4 x the gradient,
+inf/NaN at 64 layers (``tests/test_scale_deep.py``). :math:`\hat x` has zero mean and unit
+variance in every channel, so its rows' ranges are O(1) and no channel amplifies the rounding
+error. It costs the same bytes as :math:`x`, needs no inversion (works with any ``weight``,
+zeros included), and backward needs nothing else:
+
+.. math::
+    \partial\beta = \textstyle\sum g, \quad \partial\gamma = \sum g\,\hat x, \quad
+    \partial x = \frac{\gamma r}{M}\big(M g - \partial\beta - \hat x\, \partial\gamma\big)
+
+(sums over the ``M`` elements of a channel). Lossless (``bits=None``) it matches PyTorch's
+BatchNorm gradients within float rounding.
+
+Only batch-statistics mode is intercepted (``training=True``); eval-mode BatchNorm saves
+nothing node-level beyond its input and runs PyTorch's op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BatchNormFunction", "batch_norm"]
+
+
+def _channel_view(t: Tensor, ndim: int) -> Tensor:
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, ...)``
+    saving :math:`\\hat x`, the per-channel ``invstd`` and the weight."""
+
+    @staticmethod
+    def forward(ctx, x, running_mean, running_var, weight, bias, momentum, eps):
+        y, mean, invstd = torch.native_batch_norm(
+            x, weight, bias, running_mean, running_var, True, momentum, eps
+        )
+        # in float32 at least: x - mean cancels most of x's digits when a channel's mean is
+        # large next to its spread
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xhat = (x.to(acc) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        xhat = xhat.to(x.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(xhat, invstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "gact_graph: double backward (create_graph=True) through batch_norm is not "
+                "supported by the normalized-input BatchNorm; compress with pointwise=False "
+                "for higher-order gradients."
+            )
+        xhat, invstd, weight = ctx.saved_tensors
+        nd = grad.dim()
+        dims = [0, *range(2, nd)]
+        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        g, xh = grad.to(acc), xhat.to(acc)
+        m = g.numel() // g.shape[1]
+        dbeta = g.sum(dims)
+        dgamma = (g * xh).sum(dims)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            scale = invstd.to(acc) / m
+            if weight is not None:
+                scale = scale * weight.to(acc)
+            dx = g * m - _channel_view(dbeta, nd) - xh * _channel_view(dgamma, nd)
+            dx = (dx * _channel_view(scale, nd)).to(grad.dtype)
+        if weight is not None and ctx.needs_input_grad[3]:
+            dw = dgamma.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+            db = dbeta.to(ctx.bias_dtype)
+        return dx, None, None, dw, db, None, None
+
+
+def batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Training-mode (batch statistics) BatchNorm through `BatchNormFunction`."""
+    if x.dim() < 2:
+        raise ValueError(f"batch_norm expects (N, C, ...) input, got shape {tuple(x.shape)}")
+    if x.numel() // x.shape[1] < 2:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {x.shape}"
+        )
+    return BatchNormFunction.apply(x, running_mean, running_var, weight, bias, momentum, eps)
