@@ -61,9 +61,22 @@ def view_key(t: torch.Tensor, ref: StorageWeakRef) -> ViewKey:
     )
 
 
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
 def view_bytes(t: torch.Tensor) -> int:
     """Bytes that keeping ``t`` alive costs: its elements, but never more than its storage
-    (an expanded view of a small tensor costs only the small tensor)."""
+    (an expanded view of a small tensor costs only the small tensor); for a sparse tensor, its
+    index and value tensors (``numel`` of a sparse tensor is that of its dense shape)."""
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is not None:
+        return sum(view_bytes(getattr(t, p)()) for p in parts)
     n = t.numel() * t.element_size()
     if is_plain_strided(t):
         n = min(n, t.untyped_storage().nbytes())

@@ -484,3 +484,27 @@ def test_import_does_not_initialize_cuda():
         "assert not torch.cuda.is_initialized()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_sparse_saved_tensors_count_their_index_and_value_bytes(layout):
+    # numel() of a sparse tensor is its dense size: 100k x 100k would count as 40 GB
+    from gact_graph.memory import saved_bytes_stats
+    from gact_graph.saved import view_bytes
+
+    n, e = 100_000, 500_000
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, n, (2, e), generator=g)
+    adj = torch.sparse_coo_tensor(idx, torch.rand(e, generator=g), (n, n)).coalesce()
+    adj = {"coo": adj, "csr": adj.to_sparse_csr(), "csc": adj.to_sparse_csc()}[layout]
+    nnz = adj._nnz()
+    idx_bytes = {"coo": 2 * nnz * 8, "csr": (n + 1) * 8 + nnz * 8, "csc": (n + 1) * 8 + nnz * 8}
+    assert view_bytes(adj) == idx_bytes[layout] + nnz * 4
+
+    class Prop(nn.Module):
+        def forward(self, x):
+            return torch.sparse.mm(adj, x) if layout == "coo" else adj @ x
+
+    x = torch.randn(n, 4, requires_grad=True)
+    stats = saved_bytes_stats(Prop(), lambda: Prop()(x * 1.0))
+    assert stats["total"]["orig_bytes"] < 10 * view_bytes(adj) + x.numel() * 4 * 4

@@ -1,5 +1,6 @@
-"""CogDL integration (needs ``pip install gact_graph[cogdl]``; CI does not install CogDL: it
-pulls transformers, gensim and numba, and JIT-compiles C++ extensions at import)."""
+"""CogDL integration. The ``test`` extra installs CogDL 0.6 (as ``gact_graph[cogdl]`` does), so
+CI runs these; CogDL JIT-compiles its C++ extensions the first time it is imported (about a
+minute). Skipped only where CogDL is not installed."""
 
 import copy
 import re
