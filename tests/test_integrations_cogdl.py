@@ -3,10 +3,7 @@ CI runs these; CogDL JIT-compiles its C++ extensions the first time it is import
 minute). Skipped only where CogDL is not installed."""
 
 import copy
-import re
-import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +17,10 @@ from gact_graph.integrations import cogdl as gact_cogdl  # noqa: E402
 from gact_graph.integrations.cogdl import GactModel, compress_cogdl  # noqa: E402
 from gact_graph.memory import saved_bytes_stats  # noqa: E402
 
-CORA = Path("/work/shared/data/planetoid")
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
-
 
 @pytest.fixture(scope="module")
-def cora(tmp_path_factory):
-    if not (CORA / "Cora" / "raw").is_dir():
-        pytest.skip("Cora raw files not available")
-    root = tmp_path_factory.mktemp("cogdl_data")
-    shutil.copytree(CORA / "Cora" / "raw", root / "Cora" / "raw")
-    return root, CoraDataset(data_path=str(root))
+def cora(cora_root):
+    return cora_root, CoraDataset(data_path=str(cora_root))
 
 
 def _grads(model, graph):
@@ -112,16 +102,14 @@ def test_experiment_trains_gcn_on_cora_compressed(cora, tmp_path, monkeypatch, c
     assert total["ratio"] > 3
 
 
-def test_doc_example_runs(cora, tmp_path, monkeypatch):
+def test_doc_example_runs(cora, doc_example, tmp_path, monkeypatch):
     root, _ = cora
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    m = re.search(r"<!-- example: cogdl -->\s*```python\n(.*?)```", DOC.read_text(), re.S)
-    assert m
-    code = m.group(1)
+    code = doc_example("cogdl")
     for old, new in [('root = "data"', f"root = {str(root)!r}"), ("epochs=200", "epochs=20")]:
         assert old in code
         code = code.replace(old, new)
     ns: dict = {}
-    exec(compile(code, str(DOC), "exec"), ns)
+    exec(compile(code, doc_example.path, "exec"), ns)
     assert ns["model"].controller().step == 19

@@ -1,12 +1,9 @@
 """The Lightning callback: training on Cora, free evaluation, checkpoint resume, import guard."""
 
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,32 +18,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from gact_graph.integrations.lightning import CompressionCallback, GactCallback  # noqa: E402
 from gact_graph.models import GCN  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
-CORA = Path("/work/shared/data/planetoid")
 EPOCHS = 100  # the doc's 200, shortened for CI
-
-
-def doc_example(name: str) -> str:
-    """The ```python block after ``<!-- example: name -->`` in docs/integrations.md."""
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOC.read_text(), re.S)
-    assert m, f"no example {name!r} in {DOC}"
-    return m.group(1)
-
-
-@pytest.fixture(scope="module")
-def cora_root(tmp_path_factory):
-    if not (CORA / "Cora" / "raw").is_dir():
-        pytest.skip("Cora raw files not available")
-    root = tmp_path_factory.mktemp("planetoid")
-    shutil.copytree(CORA / "Cora" / "raw", root / "Cora" / "raw")
-    return root
-
-
-@pytest.fixture(scope="module")
-def cora(cora_root):
-    from gact_graph.datasets import load_dataset
-
-    return load_dataset("cora", root=str(cora_root))
 
 
 def _train_stock(data, epochs=EPOCHS):
@@ -82,7 +54,7 @@ def _trainer(tmp_path, epochs, callbacks, **kw):
     )
 
 
-def test_doc_example_trains_like_stock(cora_root, cora, tmp_path, monkeypatch, capsys):
+def test_doc_example_trains_like_stock(cora_root, cora, doc_example, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the example's CSVLogger writes ./logs
     code = doc_example("lightning")
     for old, new in [
@@ -94,7 +66,7 @@ def test_doc_example_trains_like_stock(cora_root, cora, tmp_path, monkeypatch, c
     ns: dict = {"__name__": "__doc_example__"}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        exec(compile(code, str(DOC), "exec"), ns)
+        exec(compile(code, doc_example.path, "exec"), ns)
     acc = ns["acc"]
     stock = _train_stock(cora)
     metrics = ns["logged"]

@@ -1,42 +1,10 @@
 """The plain PyG loop callback, and the copy-paste example of docs/integrations.md."""
 
-import re
-import shutil
-from pathlib import Path
-
-import pytest
 import torch
 import torch.nn.functional as F
 
 from gact_graph.integrations.pyg import GactCallback
 from gact_graph.models import GCN
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
-CORA = Path("/work/shared/data/planetoid")
-
-
-def doc_example(name: str) -> str:
-    """The ```python block after ``<!-- example: name -->`` in docs/integrations.md."""
-    text = DOC.read_text()
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S)
-    assert m, f"no example {name!r} in {DOC}"
-    return m.group(1)
-
-
-@pytest.fixture(scope="module")
-def cora_root(tmp_path_factory):
-    if not (CORA / "Cora" / "raw").is_dir():
-        pytest.skip("Cora raw files not available")
-    root = tmp_path_factory.mktemp("planetoid")
-    shutil.copytree(CORA / "Cora" / "raw", root / "Cora" / "raw")
-    return root
-
-
-@pytest.fixture(scope="module")
-def cora(cora_root):
-    from gact_graph.datasets import load_dataset
-
-    return load_dataset("cora", root=str(cora_root))
 
 
 def _model(data):
@@ -66,14 +34,14 @@ def _train_stock(data, epochs=EPOCHS):
     return _test_acc(model, data)
 
 
-def test_doc_example_trains_like_stock(cora_root, cora, capsys):
+def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
     code = doc_example("pyg")
     for old, new in [('root = "data/planetoid"', f"root = {str(cora_root)!r}"),
                      ("epochs = 200", f"epochs = {EPOCHS}")]:  # fmt: skip
         assert old in code
         code = code.replace(old, new)
     ns: dict = {"__name__": "__doc_example__"}
-    exec(compile(code, str(DOC), "exec"), ns)
+    exec(compile(code, doc_example.path, "exec"), ns)
     acc, stats = ns["acc"], ns["stats"]
     stock = _train_stock(cora)
     with capsys.disabled():
