@@ -431,12 +431,21 @@ class Adapter:
             share = v_q / (rest + v_q) if rest + v_q > 0 else 0.0
             self.last_share = share
             if share > self.alert_share:
+                # rest == 0: the probed gradient's mean square was no larger than the compression
+                # variance estimated for it, so all that can be said is "(almost) all of it"
+                how = (
+                    f"{share:.1%} of the gradient's mean square (compression variance "
+                    f"{v_q:.3g} vs signal plus sampling variance {rest:.3g})"
+                    if rest > 0
+                    else f"{share:.1%} of the gradient's mean square (the estimated compression "
+                    f"variance {v_q_old:.3g} is not below the measured mean square "
+                    f"{grad_sq:.3g})"
+                )
+                plural = "" if self.avg_bits == 1 else "s"
                 self._warn_once(
                     "alert",
                     f"gact_graph: activation compression dominates the gradient noise: it is "
-                    f"{share:.3g} of the gradient's mean square (compression variance "
-                    f"{v_q:.3g} vs signal plus sampling variance {rest:.3g}) at an average of "
-                    f"{self.avg_bits:g} bits; raise bits",
+                    f"{how} at an average of {self.avg_bits:g} bit{plural}; raise bits",
                     depth=1,
                 )
         stable = self._stable(prev, old_plan, plan)
