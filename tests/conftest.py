@@ -1,16 +1,30 @@
-"""Fixtures shared by the integration tests: the real Cora files and the copy-paste examples
-of docs/integrations.md."""
+"""Fixtures shared by several test modules: the real Cora files, the copy-paste examples of
+docs/integrations.md, and one torch thread for tests of tiny sparse ops."""
 
+import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 #: the examples the integration tests run
 INTEGRATIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
-#: real Planetoid Cora (``Cora/raw/ind.cora.*``), read-only
-SHARED_PLANETOID = Path("/work/shared/data/planetoid")
+
+
+def _shared_planetoid() -> Path:
+    """Real Planetoid Cora (``Cora/raw/ind.cora.*``), read-only: ``$GACT_GRAPH_PLANETOID``, else
+    the project's ``shared/`` folder beside the checkout (``../shared/data/planetoid``)."""
+    here = Path(__file__).resolve().parents[1]
+    for cand in (os.environ.get("GACT_GRAPH_PLANETOID"), here.parent / "shared/data/planetoid",
+                 "/work/shared/data/planetoid"):  # fmt: skip
+        if cand and (Path(cand) / "Cora" / "raw").is_dir():
+            return Path(cand)
+    return here.parent / "shared/data/planetoid"  # absent: the tests that need it skip
+
+
+SHARED_PLANETOID = _shared_planetoid()
 
 
 def read_doc_example(name: str) -> str:
@@ -43,3 +57,13 @@ def cora(cora_root):
     from gact_graph.datasets import load_dataset
 
     return load_dataset("cora", root=str(cora_root))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny sparse ops pay OpenMP barriers on a loaded shared machine; one thread is faster
+    there and changes no result (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

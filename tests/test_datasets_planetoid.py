@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 from collections import defaultdict
 
 import numpy as np
@@ -15,14 +14,11 @@ from torch_geometric.utils import is_undirected
 
 from gact_graph.datasets import DatasetNotFoundError, load_dataset
 
-SHARED_CORA = "/work/shared/data/planetoid/Cora/raw"
 sp = pytest.importorskip("scipy.sparse")
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_CORA), reason="shared Cora files not present")
-def test_real_cora_public_split(tmp_path):
-    shutil.copytree(SHARED_CORA, tmp_path / "Cora" / "raw")
-    data = load_dataset("cora", root=tmp_path)
+def test_real_cora_public_split(cora_root):
+    data = load_dataset("cora", root=cora_root)
 
     assert data.num_nodes == 2708
     assert data.x.shape == (2708, 1433) and data.x.dtype == torch.float32
@@ -39,7 +35,7 @@ def test_real_cora_public_split(tmp_path):
     assert data.metric == "acc" and data.multilabel is False and data.name == "cora"
     # Row-normalized bag of words (NormalizeFeatures), unless asked for the raw 0/1 features.
     torch.testing.assert_close(data.x.sum(1), torch.ones(2708))
-    raw = load_dataset("cora", root=tmp_path, normalize_features=False)
+    raw = load_dataset("cora", root=cora_root, normalize_features=False)
     assert set(raw.x.unique().tolist()) == {0.0, 1.0}
     torch.testing.assert_close(data.x, raw.x / raw.x.sum(1, keepdim=True))
 

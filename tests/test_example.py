@@ -7,7 +7,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_full_batch.py"
-SHARED_CORA = "/work/shared/data/planetoid/Cora/raw"
 SUMMARY_KEYS = {
     "test_metric_mean", "test_metric_std", "val_metric_mean", "peak_memory_bytes",
     "activation_bytes_fp32", "activation_bytes_stored", "epoch_time_s", "per_seed", "args",
@@ -81,11 +79,9 @@ def test_fp32_baseline_and_early_stopping(example, tmp_path):
         assert record["epochs_run"] == record["best_epoch"] + 3 or record["epochs_run"] == 30
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_CORA), reason="shared Cora files not present")
-def test_cora_gcnii_preset_with_parameter_groups(example, tmp_path):
-    shutil.copytree(SHARED_CORA, tmp_path / "Cora" / "raw")
+def test_cora_gcnii_preset_with_parameter_groups(example, cora_root):
     summary = example.main([
-        "--dataset", "cora", "--root", str(tmp_path), "--model", "gcnii", "--layers", "2",
+        "--dataset", "cora", "--root", str(cora_root), "--model", "gcnii", "--layers", "2",
         "--epochs", "2", "--bits", "fp32", "--no-progress", "--adj-t",
     ])  # fmt: skip
     assert summary["config"]["weight_decay_conv"] == 0.01

@@ -31,13 +31,7 @@ INVERTED = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Shared test machine: oversubscribed intra-op threads spin-wait; one thread is faster.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _sub(dtype):

@@ -12,15 +12,7 @@ from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The test machine is shared: intra-op threads oversubscribed by other processes spin-wait
-    # and run 10-20x slower than one thread on these small tensors.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

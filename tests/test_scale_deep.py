@@ -42,13 +42,7 @@ HIDDEN = 32
 NUM_NODES = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # small tensors: more threads only add contention on a shared machine; restored after
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,7 @@ from gact_graph.sparse.convs import LABEL
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny sparse ops pay OpenMP barriers on a loaded shared machine; one thread is faster
-    here and changes no result."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 F_IN, HID = 12, 16

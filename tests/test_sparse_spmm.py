@@ -12,14 +12,7 @@ from gact_graph.sparse.spmm import SpmmFunction, spmm, spmm_reference
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny sparse ops pay OpenMP barriers on a loaded shared machine; one thread is faster
-    here and changes no result."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _graph(n=1823, e=9000, seed=0, weighted=True, dtype=torch.float64):
