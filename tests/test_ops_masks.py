@@ -278,7 +278,7 @@ def test_bits2_relu_gradient_is_unbiased_with_pointwise_masks():
 
 
 # ---------------------------------------------------------------- whole models, lossless
-def test_gcn_with_bn_relu_dropout_lossless_is_bit_identical_to_stock():
+def test_gcn_with_bn_relu_dropout_lossless_forward_is_bit_identical_to_stock():
     """The OGB GCN (BatchNorm, ReLU, dropout) on a graph with more than 65,535 nodes: with
     bits=None the masks and dropout change what is saved, not a single bit of the forward or
     the RNG stream; BatchNorm's backward is computed from its normalized input, which agrees
@@ -301,10 +301,11 @@ def test_gcn_with_bn_relu_dropout_lossless_is_bit_identical_to_stock():
         loss.backward()
         if ctl is not None:
             ctl.remove()
-        return [p.grad for p in model.parameters()], torch.get_rng_state(), st
+        return [p.grad for p in model.parameters()], torch.get_rng_state(), st, loss.detach()
 
-    ref, ref_rng, _ = step(False)
-    got, rng, st = step(True)
+    ref, ref_rng, _, ref_loss = step(False)
+    got, rng, st, got_loss = step(True)
+    assert torch.equal(got_loss, ref_loss)  # the forward: not a bit changed
     # (whole-vector norm: the conv biases before BatchNorm have a zero gradient up to rounding)
     got_v, ref_v = torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in ref])
     assert (got_v - ref_v).norm() <= 1e-5 * ref_v.norm()
