@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gact_graph import compress_gnn
 from gact_graph.datasets import load_dataset
 from gact_graph.models import build_model, preset
-from gact_graph.sensitivity import two_seed_sensitivity
+from gact_graph.policy.sensitivity import two_seed_sensitivity
 
 
 def main(argv=None) -> dict:

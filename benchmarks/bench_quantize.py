@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gact_graph.quantize import SUPPORTED_BITS, _use_triton, quantize  # noqa: E402
+from gact_graph.core.quantize import SUPPORTED_BITS, _use_triton, quantize  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -7,7 +7,7 @@ nodes with the average degree kept, to below and beyond the real size. Models ar
 published ogbn setups of `gact_graph.models.preset` (GCN 3 x 256 with BatchNorm; GAT 3 layers,
 3 heads x 128, BatchNorm, residual); ``--hidden`` narrows them.
 
-The budget (see `gact_graph.scaling`):
+The budget (see `benchmarks/harness.py`):
 
 - ``--device cuda``: real OOM under ``--budget-gb`` (default: the whole device), enforced with
   ``torch.cuda.set_per_process_memory_fraction``;
@@ -42,9 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gact_graph.datasets import dataset_info, load_dataset  # noqa: E402
-from gact_graph.models import preset  # noqa: E402
-from gact_graph.scaling import (  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
     GraphInputs,
     Method,
     StepResult,
@@ -55,6 +53,8 @@ from gact_graph.scaling import (  # noqa: E402
     run_step,
     search_max,
 )
+from gact_graph.datasets import dataset_info, load_dataset  # noqa: E402
+from gact_graph.models import preset  # noqa: E402
 
 PRODUCTS = dataset_info("ogbn-products")
 #: undirected edges per node of ogbn-products (each stored in both directions once built)

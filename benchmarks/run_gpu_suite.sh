@@ -40,7 +40,16 @@ T_STEP="${T_STEP:-70}"
 T_SCALING="${T_SCALING:-160}"
 T_LARGEST="${T_LARGEST:-110}"
 # SUITE_DEVICE=cpu and the *_ARGS variables (extra arguments per stage, word-split) exist to
-# dry-run the suite's mechanics on a machine without a GPU, with tiny sizes.
+# dry-run the suite's mechanics on a machine without a GPU, with tiny sizes; SUITE_DRY_RUN=1
+# sets them all (every stage on CPU at toy sizes, about a minute; tests/benchmarks runs it).
+if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
+    : "${SUITE_DEVICE:=cpu}" "${SCALING_BUDGET_GB:=0.05}" "${LARGEST_BUDGET_GB:=0.02}"
+    : "${QUANTIZE_ARGS:=--rows 2000 --repeats 2 --warmup 1}"
+    : "${MEMORY_ARGS:=--scale 0.002 --models gcn --methods stock,int2}"
+    : "${STEP_ARGS:=--scale 0.002 --models gcn}"
+    : "${SCALING_ARGS:=--models gcn --searches depth --depth-hidden 16 --max-depth 16}"
+    : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
+fi
 DEV="${SUITE_DEVICE:-cuda}"
 SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
 LARGEST_BUDGET_GB="${LARGEST_BUDGET_GB:-16}"

@@ -6,7 +6,7 @@ the same experiment for stock PyG FP32 and ``compress_gnn`` at L1 4 and 2 bits (
 ``adaptive=True`` works, else fixed bits; it prints which) and L2 (compression + swap) when
 that opt level is implemented.
 
-The search (exponential, then binary) and the budget live in `gact_graph.scaling`:
+The search (exponential, then binary) and the budget live in `benchmarks/harness.py`:
 
 - ``--device cuda``: ``torch.cuda.set_per_process_memory_fraction`` caps the allocator at
   ``--budget-gb`` and a configuration fits when its steps finish without OOM.
@@ -39,8 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gact_graph.datasets import load_dataset  # noqa: E402
-from gact_graph.scaling import (  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
     GraphInputs,
     cuda_budget,
     default_methods,
@@ -48,6 +47,7 @@ from gact_graph.scaling import (  # noqa: E402
     max_depth,
     max_width,
 )
+from gact_graph.datasets import load_dataset  # noqa: E402
 
 GACT_TABLE4 = {
     "source": "GACT (Liu et al., ICML 2022) Table 4: GCN on ogbn-arxiv, 16 GB GPU",

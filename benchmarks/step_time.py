@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import adaptive_works  # noqa: E402
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.datasets import load_dataset  # noqa: E402
 from gact_graph.models import build_model, preset  # noqa: E402
-from gact_graph.scaling import adaptive_works  # noqa: E402
 
 METHODS = {
     "stock": None,

@@ -6,11 +6,11 @@ from typing import Any
 
 from torch import nn
 
-from gact_graph.adapt import attach_adapter
 from gact_graph.config import CompressionConfig
-from gact_graph.controller import Controller
-from gact_graph.levels import install_level
+from gact_graph.core.controller import Controller
 from gact_graph.ops import install_pointwise_ops
+from gact_graph.policy.adaptive import attach_adapter
+from gact_graph.policy.levels import install_level
 from gact_graph.sparse import install_sparse_paths
 
 __all__ = ["compress_gnn"]
@@ -63,5 +63,5 @@ def compress_gnn(
     if config.opt_level in ("L2", "CB1"):
         install_level(ctl)  # L2: swap to pinned CPU memory; CB1: compressed checkpointing
     if config.adaptive and not config.lossless:
-        attach_adapter(ctl)  # bits per tensor from measured sensitivity (gact_graph.adapt)
+        attach_adapter(ctl)  # bits per tensor from measured sensitivity (policy.adaptive)
     return ctl

@@ -7,7 +7,7 @@ from typing import Any
 
 __all__ = ["CompressionConfig", "FIXED_BITS", "OPT_LEVELS"]
 
-#: Bit widths that the quantizer packs densely (see `gact_graph.quantize`).
+#: Bit widths that the quantizer packs densely (see `gact_graph.core.quantize`).
 FIXED_BITS = (1, 2, 4, 8)
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.

@@ -21,7 +21,7 @@ def saved_bytes_stats(model: nn.Module, fn: Callable[[], Any]) -> dict[str, Any]
     ``fn``'s result is dropped before returning, releasing what was saved.
     """
     from gact_graph.config import CompressionConfig
-    from gact_graph.controller import Controller
+    from gact_graph.core.controller import Controller
 
     ctl = Controller(model, CompressionConfig(bits=None, sparse=False, pointwise=False))
     try:

@@ -16,12 +16,8 @@ INTEGRATIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.
 def _shared_planetoid() -> Path:
     """Real Planetoid Cora (``Cora/raw/ind.cora.*``), read-only: ``$GACT_GRAPH_PLANETOID``, else
     the project's ``shared/`` folder beside the checkout (``../shared/data/planetoid``)."""
-    here = Path(__file__).resolve().parents[1]
-    for cand in (os.environ.get("GACT_GRAPH_PLANETOID"), here.parent / "shared/data/planetoid",
-                 "/work/shared/data/planetoid"):  # fmt: skip
-        if cand and (Path(cand) / "Cora" / "raw").is_dir():
-            return Path(cand)
-    return here.parent / "shared/data/planetoid"  # absent: the tests that need it skip
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data" / "planetoid"
+    return Path(os.environ.get("GACT_GRAPH_PLANETOID") or beside)  # absent: those tests skip
 
 
 SHARED_PLANETOID = _shared_planetoid()

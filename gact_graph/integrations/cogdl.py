@@ -63,7 +63,7 @@ from cogdl.data.data import Graph as _Graph
 from torch import nn
 
 from gact_graph.api import compress_gnn
-from gact_graph.controller import Controller
+from gact_graph.core.controller import Controller
 from gact_graph.sparse.adjacency import CompactAdjacency
 from gact_graph.sparse.spmm import spmm as gact_spmm
 

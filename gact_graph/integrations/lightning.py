@@ -47,7 +47,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 from torch import nn
 
 from gact_graph.api import compress_gnn
-from gact_graph.controller import Controller
+from gact_graph.core.controller import Controller
 
 __all__ = ["GactCallback", "CompressionCallback"]
 

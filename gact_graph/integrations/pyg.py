@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gact_graph.api import compress_gnn
-from gact_graph.controller import Controller
+from gact_graph.core.controller import Controller
 
 __all__ = ["GactCallback"]
 

@@ -1,6 +1,6 @@
 """Group quantization with stochastic rounding + bit packing: Triton kernels and references.
 
-Layout, metadata and rounding are specified in :mod:`gact_graph.quantize`. The Triton launchers
+Layout, metadata and rounding are specified in :mod:`gact_graph.core.quantize`. The Triton launchers
 (``triton_quantize`` / ``triton_dequantize``) and the PyTorch references
 (``quantize_reference`` / ``dequantize_reference``) produce bit-identical packed codes, metadata
 and reconstructions for the same seed: both use the same fp32 operation sequence (IEEE
@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from gact_graph.bitpack import code_table, pack_bits
+from gact_graph.kernels.bitpack import code_table, pack_bits
+from gact_graph.kernels.layout import GroupLayout, group_layout
 from gact_graph.kernels.rng import uniform_bits_range_
-from gact_graph.quantize import GroupLayout, group_layout
 
 try:  # Triton is optional; the references below never need it.
     import triton

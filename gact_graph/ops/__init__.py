@@ -32,7 +32,7 @@ from gact_graph.ops.masks import (
 from gact_graph.ops.mode import HANDLERS, PointwiseMode
 
 if TYPE_CHECKING:
-    from gact_graph.controller import Controller
+    from gact_graph.core.controller import Controller
 
 __all__ = [
     "install_pointwise_ops",

@@ -34,6 +34,7 @@ __all__ = [
     "content_hash",
     "is_torch_sparse",
     "is_sparse_tensor",
+    "pyg_edge_list",
 ]
 
 #: Graphs a controller keeps alive between forwards (most recently used); older ones are held
@@ -430,7 +431,7 @@ def _content_key(t: Tensor | None) -> tuple:
 
 
 # ---------------------------------------------------------------------------- building
-def _pyg_edge_list(
+def pyg_edge_list(
     edge_index: Tensor,
     edge_weight: Tensor | None,
     num_nodes: int,
@@ -585,7 +586,7 @@ def _build(
                 loop_mode, dtype,
             )  # fmt: skip
             return _from_torch_csr(csr, num_nodes)
-        ei, w = _pyg_edge_list(
+        ei, w = pyg_edge_list(
             graph, None if external else edge_weight, num_nodes, add_self_loops, normalize,
             improved, fill_value, loop_mode, dtype,
         )  # fmt: skip
@@ -726,7 +727,7 @@ def differentiable_edge_weight(
 ) -> Tensor:
     """The learnable ``edge_weight`` after PyG's self-loops / normalization, with autograd,
     in ``adj``'s CSR order (``adj`` from `get_adjacency` with the same arguments)."""
-    _, w = _pyg_edge_list(
+    _, w = pyg_edge_list(
         edge_index, edge_weight, num_nodes, add_self_loops, bool(normalize), improved,
         fill_value, loop_mode, dtype,
     )  # fmt: skip

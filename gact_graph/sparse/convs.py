@@ -26,6 +26,7 @@ from gact_graph.sparse.adjacency import (
     get_adjacency,
     is_sparse_tensor,
     is_torch_sparse,
+    pyg_edge_list,
 )
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 from gact_graph.sparse.spmm import spmm
@@ -292,9 +293,7 @@ def _appnp_dropout(ctl, module: APPNP, x, edge_index, edge_weight, n: int) -> Te
         ctl, edge_index, n, edge_weight=edge_weight, dtype=x.dtype, keep_perm=True, **opts
     )
     if adj.weight_is_external:  # PyG's edge order, differentiable
-        from gact_graph.sparse.adjacency import _pyg_edge_list
-
-        _, w_edges = _pyg_edge_list(
+        _, w_edges = pyg_edge_list(
             edge_index, edge_weight, n, opts["add_self_loops"], opts["normalize"], False, 1.0,
             "remaining", x.dtype,
         )  # fmt: skip

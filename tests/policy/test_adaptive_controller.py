@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gact_graph import compress_gnn
-from gact_graph.adapt import Adapter, plan_cost_bits
 from gact_graph.models import GCN
+from gact_graph.policy.adaptive import Adapter, plan_cost_bits
 
 
 def _graph(n=400, e=2400, f=16, classes=4, seed=0):

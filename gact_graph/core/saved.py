@@ -9,10 +9,12 @@ never be mistaken for an alias.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "view_key",
     "view_bytes",
     "is_autocast_param_copy",
+    "tensors_in",
 ]
 
 #: What a saved tensor is. ``param`` and ``input`` are held by the model / the caller anyway and
@@ -114,3 +117,21 @@ def is_autocast_param_copy(t: torch.Tensor, params: StorageSet) -> bool:
         if var is not None and is_plain_strided(var) and storage_ref(var).cdata in params:
             return True
     return False
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples/lists/dicts and PyG-like objects with tensor attributes."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "to_dict") and callable(o.to_dict) and not isinstance(o, nn.Module):
+            with contextlib.suppress(Exception):
+                stack.extend(o.to_dict().values())
+    return out

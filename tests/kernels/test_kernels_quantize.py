@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gact_graph.core.quantize import SUPPORTED_BITS, _use_triton, quantize
 from gact_graph.kernels import quantize as kq
-from gact_graph.quantize import SUPPORTED_BITS, _use_triton, quantize
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -176,7 +176,7 @@ def test_our_modules_import_neither_triton_nor_cuda():
         "import sys, types, torch\n"
         f"pkg = types.ModuleType('gact_graph'); pkg.__path__ = [{str(REPO / 'gact_graph')!r}]\n"
         "sys.modules['gact_graph'] = pkg\n"
-        "import gact_graph.quantize, gact_graph.kernels, gact_graph.bitpack\n"
+        "import gact_graph.core.quantize, gact_graph.kernels, gact_graph.kernels.bitpack\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
     )

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gact_graph.bitpack import (
+from gact_graph.kernels.bitpack import (
     SUPPORTED_BITS,
     PackedMask,
     code_table,

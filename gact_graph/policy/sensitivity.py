@@ -66,7 +66,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from gact_graph.quantize import QTensor, quantize
+from gact_graph.core.quantize import QTensor, quantize
+from gact_graph.core.saved import tensors_in
 
 __all__ = [
     "S",
@@ -91,7 +92,8 @@ def S(bits: float) -> float:
 
 def per_element(q: QTensor, values: Tensor) -> Tensor:
     """Expand one value per quantization group of ``q`` to every element, shaped like the
-    original tensor (see :class:`~gact_graph.quantize.GroupLayout` for which group holds what)."""
+    original tensor (see :class:`~gact_graph.kernels.layout.GroupLayout` for which group holds
+    what)."""
     lay = q.layout
     if lay.num_groups == 0:
         return values.new_zeros(q.shape)
@@ -384,9 +386,7 @@ class SensitivityProbe:
     def _after_forward(self, module, args, output) -> None:
         if self.hooked:
             return
-        from gact_graph.controller import _tensors_in
-
-        roots = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         if not roots:  # a forward without a graph (eval, no_grad): wait for the next one
             return
         self.hooked = True

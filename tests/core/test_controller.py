@@ -9,9 +9,9 @@ from torch import nn
 from torch_geometric.nn import GCNConv
 
 from gact_graph import CompressionConfig, Controller, compress_gnn
-from gact_graph.controller import Stored
+from gact_graph.core.controller import Stored
+from gact_graph.core.quantize import QTensor
 from gact_graph.memory import count_saved_bytes
-from gact_graph.quantize import QTensor
 
 
 def _mlp(seed=0, d_in=64, hidden=96, d_out=8):
@@ -268,7 +268,7 @@ def test_stats_are_exact():
         st = ctl.stats()
     act = [r for r in st["tensors"] if r["kind"] == "activation"]
     assert len(act) == 1
-    from gact_graph.quantize import quantize
+    from gact_graph.core.quantize import quantize
 
     q = quantize(torch.randn(1000, 300), 2)
     assert act[0]["orig_bytes"] == 1000 * 300 * 4
@@ -489,8 +489,8 @@ def test_import_does_not_initialize_cuda():
 @pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
 def test_sparse_saved_tensors_count_their_index_and_value_bytes(layout):
     # numel() of a sparse tensor is its dense size: 100k x 100k would count as 40 GB
+    from gact_graph.core.saved import view_bytes
     from gact_graph.memory import saved_bytes_stats
-    from gact_graph.saved import view_bytes
 
     n, e = 100_000, 500_000
     g = torch.Generator().manual_seed(0)

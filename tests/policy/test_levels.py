@@ -9,13 +9,13 @@ from torch import nn
 from torch_geometric.nn import DeepGCNLayer, GCNConv
 
 from gact_graph import compress_gnn
-from gact_graph.levels import (
+from gact_graph.models import GAT, GCN, GCNII
+from gact_graph.policy.levels import (
     CheckpointManager,
     SwapManager,
     SwappedPayload,
     checkpoint_segments,
 )
-from gact_graph.models import GAT, GCN, GCNII
 
 
 def _graph(n=400, f=24, e=2400, seed=0):

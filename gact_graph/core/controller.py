@@ -25,25 +25,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from gact_graph.bitpack import PackedMask, pack_mask
 from gact_graph.config import CompressionConfig
-from gact_graph.quantize import QTensor, quantize
-from gact_graph.saved import (
+from gact_graph.core.quantize import QTensor, quantize
+from gact_graph.core.saved import (
     KINDS,
     StorageSet,
     is_autocast_param_copy,
     is_plain_strided,
     storage_ref,
+    tensors_in,
     view_bytes,
     view_key,
 )
+from gact_graph.kernels.bitpack import PackedMask, pack_mask
 
-__all__ = ["Controller", "Stored"]
+__all__ = ["Controller", "Stored", "mix_seed"]
 
 _MASK64 = (1 << 64) - 1
 
 
-def _mix_seed(*parts: int) -> int:
+def mix_seed(*parts: int) -> int:
     """splitmix64 over the parts: decorrelated 31-bit seeds from (base, step, index, salt)."""
     h = 0x9E3779B97F4A7C15
     for p in parts:
@@ -142,9 +143,9 @@ class Controller:
         self.module_paths: dict[str, str] = {}
         #: per-step salt mixed into seeds (the adaptive estimator re-seeds one tensor with it).
         self.seed_salt: dict[str, int] = {}
-        self.adapter = None  # set by gact_graph.adapt when adaptive=True
+        self.adapter = None  # set by gact_graph.policy.adaptive when adaptive=True
         #: ``fn(stored) -> Stored`` applied to every newly stored tensor (opt level L2 wraps
-        #: payloads to swap them to CPU; see `gact_graph.levels`).
+        #: payloads to swap them to CPU; see `gact_graph.policy.levels`).
         self.payload_wrapper: Callable[[Stored], Stored] | None = None
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -234,7 +235,7 @@ class Controller:
         self._pack_counts = {}
         self._dedup.clear()
         self._params = StorageSet(list(self.model.parameters()) + list(self.model.buffers()))
-        self._inputs = StorageSet(_tensors_in((args, kwargs)))
+        self._inputs = StorageSet(tensors_in((args, kwargs)))
         self._lossless = {k: v for k, v in self._lossless.items() if not v[0].expired()}
         stack = contextlib.ExitStack()
         try:
@@ -331,7 +332,7 @@ class Controller:
         bits = self.bits_for(name)
         if bits is None or bits >= 32 or t.numel() < self.config.min_numel:
             return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
-        seed = _mix_seed(
+        seed = mix_seed(
             self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
         )
         q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
@@ -416,10 +417,12 @@ class Controller:
 
     def plot_bits(self, path: str) -> str:
         """Save a bar chart of the adaptive plan (bits and sensitivity per tensor) to ``path``
-        (needs matplotlib)."""
-        from gact_graph.adapt import plot_bits
-
-        return plot_bits(self, path)
+        (needs matplotlib). The adapter draws it: the core does not import the policies."""
+        if self.adapter is None:
+            raise RuntimeError(
+                "plot_bits needs an adaptive controller (compress_gnn(adaptive=True))"
+            )
+        return self.adapter.plot(self.plan, path)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -448,21 +451,3 @@ class Controller:
         self.plan = dict(state["plan"])
         if "adapter" in state and self.adapter is not None:
             self.adapter.load_state_dict(state["adapter"])
-
-
-def _tensors_in(obj) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples/lists/dicts and PyG-like objects with tensor attributes."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif hasattr(o, "to_dict") and callable(o.to_dict) and not isinstance(o, nn.Module):
-            with contextlib.suppress(Exception):
-                stack.extend(o.to_dict().values())
-    return out

@@ -1,6 +1,6 @@
 """Deep models under compression: a 256-layer GCNII and a 128-layer GCN train with finite,
 unbiased gradients; saved bytes grow linearly with depth at the compressed per-layer rate; the
-scaling search of `gact_graph.scaling` finds a deeper model for compression than for stock.
+scaling search of `benchmarks/harness.py` finds a deeper model for compression than for stock.
 
 Everything runs on CPU on a 256-node graph; the deep models dominate the file's time (each
 compressed pass of a 256-layer GCNII is some seconds on a loaded 2-core machine).
@@ -24,12 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gact_graph.controller as controller_module
-from gact_graph import compress_gnn
-from gact_graph.datasets import load_dataset
-from gact_graph.memory import saved_bytes_stats
-from gact_graph.models import GCN, GCNII
-from gact_graph.scaling import (
+import gact_graph.core.controller as controller_module
+from benchmarks.harness import (
     GraphInputs,
     Method,
     build_model,
@@ -37,6 +33,10 @@ from gact_graph.scaling import (
     run_step,
     search_max,
 )
+from gact_graph import compress_gnn
+from gact_graph.datasets import load_dataset
+from gact_graph.memory import saved_bytes_stats
+from gact_graph.models import GCN, GCNII
 
 HIDDEN = 32
 NUM_NODES = 256

@@ -2,9 +2,9 @@
 step (forward, backward, optimizer step) under a memory budget.
 
 This is the search behind ``benchmarks/scaling.py`` (deepest / widest GCN and GCNII, GACT
-Table 4) and ``benchmarks/largest_graph.py`` (largest full-batch graph). It lives in the library,
-not in ``benchmarks/``, so that tests import it like any other module and users can ask the same
-question of their own model ("how many layers fit in 16 GB with 2-bit compression?").
+Table 4) and ``benchmarks/largest_graph.py`` (largest full-batch graph), and of the deep tests
+(``tests/benchmarks/``), which import it as ``benchmarks.harness``. It is benchmark machinery,
+not part of the installed package.
 
 Two ways to enforce the budget:
 
@@ -231,7 +231,7 @@ def adaptive_works() -> tuple[bool, str]:
 def opt_level_works(level: str) -> tuple[bool, str]:
     """``(works, why not)``: is opt level ``level`` implemented (not just accepted by the config)?
 
-    L1 is the baseline; any other level must come with its module ``gact_graph.levels``
+    L1 is the baseline; any other level must come with its module ``gact_graph.policy.levels``
     (the config accepts ``"L2"`` before swapping exists, and then it would silently be L1)."""
     import importlib.util
 
@@ -239,8 +239,8 @@ def opt_level_works(level: str) -> tuple[bool, str]:
 
     if level not in OPT_LEVELS:
         return False, f"unknown opt level {level!r}"
-    if level not in ("L0", "L1") and importlib.util.find_spec("gact_graph.levels") is None:
-        return False, "gact_graph.levels does not exist yet"
+    if level not in ("L0", "L1") and importlib.util.find_spec("gact_graph.policy.levels") is None:
+        return False, "gact_graph.policy.levels does not exist yet"
     return _probe({"bits": 2, "opt_level": level})
 
 
@@ -378,7 +378,7 @@ def _train(model_fn, graph, method, budget_bytes, lr, optimizer, res: StepResult
     is the CPU accounting budget (``None`` on CUDA)."""
     from gact_graph import compress_gnn
     from gact_graph.config import CompressionConfig
-    from gact_graph.controller import Controller
+    from gact_graph.core.controller import Controller
 
     device = graph.device
     acct = res.bytes

@@ -12,7 +12,7 @@ its measured gradient sensitivity, under a memory budget.
     B = \sum_l \big(\mathrm{bits} \cdot D_l + 8\, M_l\big),
 
 :math:`D_l` the elements the codes cover (the padded element count of the tensor's
-:func:`~gact_graph.quantize.group_layout`), :math:`M_l` the bytes of its per-group metadata
+:func:`~gact_graph.core.quantize.group_layout`), :math:`M_l` the bytes of its per-group metadata
 (4 per group). A plan costs :math:`\sum_l \mathrm{cost}_l(b_l)` with
 :math:`\mathrm{cost}_l(b) = b D_l + 8 M_l` for ``b < 32`` and :math:`32 D_l` for 32 (no
 metadata), i.e. exactly ``8 * QTensor.nbytes``; so fixed ``bits=2`` and adaptive ``bits=2`` hold
@@ -30,7 +30,7 @@ on instances small enough to brute-force the result is optimal.
 
 **Adapter.** :class:`Adapter` (``ctl.adapter`` when ``adaptive=True``) keeps the sensitivity
 estimates (an EMA over re-estimations) and the plan, and decides when to re-estimate; the
-estimates come from :class:`gact_graph.sensitivity.SensitivityProbe`, which rides along the
+estimates come from :class:`gact_graph.policy.sensitivity.SensitivityProbe`, which rides along the
 user's own backward pass (no extra passes).
 """
 
@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from gact_graph.quantize import META_BYTES_PER_GROUP, group_layout
-from gact_graph.sensitivity import S, SensitivityProbe, two_seed_sensitivity
+from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
+from gact_graph.policy.sensitivity import S, SensitivityProbe, two_seed_sensitivity
 
 __all__ = [
     "Adapter",
@@ -55,7 +55,6 @@ __all__ = [
     "allocate_bits",
     "budget_bits",
     "plan_cost_bits",
-    "plot_bits",
     "tensor_costs",
 ]
 
@@ -68,7 +67,7 @@ _DP_CELLS = 1 << 25
 # ---------------------------------------------------------------------------------- costs
 def tensor_costs(shape: Sequence[int], group_size: int = 256) -> tuple[int, int]:
     """``(D, meta_bytes)`` of a tensor of ``shape``: elements its codes cover (padded to whole
-    groups) and bytes of its group metadata, as :class:`~gact_graph.quantize.QTensor` holds
+    groups) and bytes of its group metadata, as :class:`~gact_graph.core.quantize.QTensor` holds
     them."""
     lay = group_layout(shape, group_size)
     return lay.padded_numel, lay.num_groups * META_BYTES_PER_GROUP
@@ -245,10 +244,11 @@ class Adapter:
     r"""Chooses bits per tensor for a `Controller` from measured sensitivity (``adaptive=True``).
 
     **Estimates.** The first training step that saves tensors is probed (no extra pass; see
-    :class:`~gact_graph.sensitivity.SensitivityProbe`), and at every later re-estimation the next
-    step is. Each estimate updates an exponential moving average of :math:`c_l` per tensor
-    name (weight ``ema`` on the old value). With ``estimator="two_seed"`` GACT's Algorithm 1
-    runs instead, which needs ``step_fn`` and costs two passes per tensor.
+    :class:`~gact_graph.policy.sensitivity.SensitivityProbe`), and at every later
+    re-estimation the next step is. Each estimate updates an exponential moving average of
+    :math:`c_l` per tensor name (weight ``ema`` on the old value). With
+    ``estimator="two_seed"`` GACT's Algorithm 1 runs instead, which needs ``step_fn`` and costs
+    two passes per tensor.
 
     **Plan.** After each estimate, :func:`allocate_bits` spends the budget of an average of
     ``config.bits`` bits. Before the first estimate, every tensor gets the widest quantizer
@@ -565,6 +565,37 @@ class Adapter:
         lines.append(f"budget {self.budget() / 8 / 1024:.1f} KB, plan {used / 8 / 1024:.1f} KB")
         return "\n".join(lines)
 
+    def plot(self, plan: dict[str, int] | None, path: str) -> str:
+        """Save a bar chart of bits and sensitivity per tensor of ``plan`` to ``path``
+        (``Controller.plot_bits``; needs matplotlib)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # optional dependency
+            raise ImportError(
+                "plot_bits needs matplotlib: pip install matplotlib (or gact_graph[plot])"
+            ) from exc
+        rows = self.rows(plan)
+        names = [r["name"] for r in rows]
+        x = np.arange(len(rows))
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.35 * len(rows) + 2), 6), sharex=True)
+        ax1.bar(x, [r["bits"] for r in rows], color="tab:blue")
+        ax1.set_ylabel("bits")
+        ax1.set_yscale("log", base=2)
+        ax1.set_title(f"adaptive plan, average {self.avg_bits:g} bits")
+        ax2.bar(x, [r["c"] or 0.0 for r in rows], color="tab:orange")
+        ax2.set_ylabel("sensitivity c_l")
+        if any((r["c"] or 0) > 0 for r in rows):
+            ax2.set_yscale("log")
+        ax2.set_xticks(x)
+        ax2.set_xticklabels(names, rotation=90, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "avg_bits": self.avg_bits,
@@ -610,37 +641,3 @@ def attach_adapter(ctl) -> Adapter:
     ctl.add_undo(adapter.detach)
     adapter.attach(ctl)
     return adapter
-
-
-def plot_bits(ctl, path: str) -> str:
-    """Save a bar chart of bits and sensitivity per tensor of ``ctl``'s adaptive plan."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # optional dependency
-        raise ImportError(
-            "plot_bits needs matplotlib: pip install matplotlib (or gact_graph[plot])"
-        ) from exc
-    adapter = ctl.adapter
-    if adapter is None:
-        raise RuntimeError("plot_bits needs an adaptive controller (compress_gnn(adaptive=True))")
-    rows = adapter.rows(ctl.plan)
-    names = [r["name"] for r in rows]
-    x = np.arange(len(rows))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.35 * len(rows) + 2), 6), sharex=True)
-    ax1.bar(x, [r["bits"] for r in rows], color="tab:blue")
-    ax1.set_ylabel("bits")
-    ax1.set_yscale("log", base=2)
-    ax1.set_title(f"adaptive plan, average {adapter.avg_bits:g} bits")
-    ax2.bar(x, [r["c"] or 0.0 for r in rows], color="tab:orange")
-    ax2.set_ylabel("sensitivity c_l")
-    if any((r["c"] or 0) > 0 for r in rows):
-        ax2.set_yscale("log")
-    ax2.set_xticks(x)
-    ax2.set_xticklabels(names, rotation=90, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from gact_graph.bitpack import unpack_bits
+from gact_graph.core.quantize import SUPPORTED_BITS, GroupLayout, QTensor, group_layout, quantize
 from gact_graph.kernels import quantize as kq
+from gact_graph.kernels.bitpack import unpack_bits
 from gact_graph.kernels.rng import uniform_reference
-from gact_graph.quantize import SUPPORTED_BITS, GroupLayout, QTensor, group_layout, quantize
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 AWKWARD_SHAPES = [(1823, 781), (70000, 7), (5,), (), (3, 4, 300), (33, 256), (2, 1000), (0, 5)]

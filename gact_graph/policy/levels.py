@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gact_graph.controller import Controller, Stored, _mix_seed
-from gact_graph.quantize import QTensor
-from gact_graph.saved import is_plain_strided, storage_ref, view_bytes, view_key
+from gact_graph.core.controller import Controller, Stored, mix_seed
+from gact_graph.core.quantize import QTensor
+from gact_graph.core.saved import is_plain_strided, storage_ref, view_bytes, view_key
 
 __all__ = [
     "LEVELS",
@@ -578,7 +578,7 @@ class _Segment:
             return hit, False
         # The controller seeds from (seed, step, #records, salt[name]); in backward #records is
         # fixed, so a salt per (segment call, index) keeps the rounding noise independent.
-        ctl.seed_salt[name] = _mix_seed(self.serial, i)
+        ctl.seed_salt[name] = mix_seed(self.serial, i)
         try:
             return ctl._store(name, t.detach(), ref.cdata), True
         finally:

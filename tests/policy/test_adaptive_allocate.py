@@ -5,15 +5,15 @@ import random
 
 import pytest
 
-from gact_graph.adapt import (
+from gact_graph.core.quantize import group_layout, quantize
+from gact_graph.policy.adaptive import (
     DEFAULT_LADDER,
     allocate_bits,
     budget_bits,
     plan_cost_bits,
     tensor_costs,
 )
-from gact_graph.quantize import group_layout, quantize
-from gact_graph.sensitivity import S
+from gact_graph.policy.sensitivity import S
 
 
 def _objective(c, bits):

@@ -9,9 +9,9 @@ from torch import nn
 from torch_geometric.nn import GCNConv
 
 from gact_graph import compress_gnn
+from gact_graph.core.quantize import quantize
 from gact_graph.models import GAT
-from gact_graph.quantize import quantize
-from gact_graph.sensitivity import (
+from gact_graph.policy.sensitivity import (
     S,
     SensitivityProbe,
     _flat_grads,

@@ -1,0 +1,167 @@
+"""The package layout is the architecture (docs/design.md, "Layers"): each layer imports only
+the layers below it, no module imports another module's private names, and no import circle
+exists, lazy imports inside functions included. Read from the source (AST), so a circle that
+Python happens to tolerate at import time still fails here."""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gact_graph"
+
+#: layer -> the layers its modules may import (besides itself). Mirrors the diagram in
+#: docs/design.md; the root ``gact_graph/__init__.py`` may import anything it re-exports.
+ALLOWED = {
+    "kernels": set(),
+    "config": set(),
+    "core": {"kernels", "config"},
+    "sparse": set(),
+    "ops": {"core"},  # type annotations only (TYPE_CHECKING)
+    "policy": {"core", "kernels", "config"},
+    "api": {"config", "core", "policy", "ops", "sparse"},
+    "memory": {"config", "core"},
+    "integrations": {"api", "config", "core", "sparse"},
+    "models": set(),
+    "datasets": set(),
+    "_moved": set(),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> list[tuple[str, str | None]]:
+    """``(module, imported name or None)`` for every gact_graph import in ``path``, at any
+    depth (inside functions and ``TYPE_CHECKING`` blocks too). ``from pkg import sub`` of a
+    submodule counts as an import of ``pkg.sub``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name.split(".")[0] == "gact_graph"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "gact_graph":
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.append((sub, None) if sub in MODULES else (node.module, a.name))
+    return out
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {dep for dep, _ in _imports(p) if dep != m} for m, p in MODULES.items()}
+
+
+def test_every_layer_is_known():
+    assert {_layer(m) for m in MODULES} - {""} == set(ALLOWED)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "gact_graph"])
+def test_layer_imports_only_layers_below(module):
+    own = _layer(module)
+    wrong = sorted(
+        dep for dep in _graph()[module] if _layer(dep) != own and _layer(dep) not in ALLOWED[own]
+    )
+    assert not wrong, f"{module} ({own}) imports {wrong}; {own} may import {sorted(ALLOWED[own])}"
+
+
+def test_no_import_of_private_names_across_modules():
+    bad = [
+        f"{m} imports {name} from {dep}"
+        for m, p in MODULES.items()
+        for dep, name in _imports(p)
+        if name and name.startswith("_") and dep != m
+    ]
+    assert not bad, bad
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(graph.get(m, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _find_cycle(graph) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_public_api_unchanged():
+    import gact_graph
+
+    assert gact_graph.__all__ == [
+        "compress_gnn",
+        "CompressionConfig",
+        "Controller",
+        "QTensor",
+        "quantize",
+    ]
+    assert callable(gact_graph.quantize)  # the function, not a module of that name
+    from gact_graph.datasets import evaluate, load_dataset  # noqa: F401
+    from gact_graph.integrations.pyg import GactCallback  # noqa: F401
+    from gact_graph.models import GAT, GCN, GCNII  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("gact_graph.controller", "gact_graph.core.controller"),
+        ("gact_graph.saved", "gact_graph.core.saved"),
+        ("gact_graph.bitpack", "gact_graph.kernels.bitpack"),
+        ("gact_graph.adapt", "gact_graph.policy.adaptive"),
+        ("gact_graph.sensitivity", "gact_graph.policy.sensitivity"),
+        ("gact_graph.levels", "gact_graph.policy.levels"),
+    ],
+)
+def test_old_module_paths_warn_and_give_the_moved_module(old, new):
+    import importlib
+    import sys
+
+    import gact_graph
+
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+    assert callable(gact_graph.quantize)
