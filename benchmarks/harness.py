@@ -494,6 +494,8 @@ def cuda_budget(budget_bytes: int, device: torch.device | str = "cuda"):
     """Cap this process's CUDA caching allocator at ``budget_bytes`` for the block (restored
     to the whole device afterwards)."""
     device = torch.device(device)
+    if device.index is None:  # set_per_process_memory_fraction needs an index ("cuda" has none)
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     frac = min(1.0, budget_bytes / total)
     torch.cuda.empty_cache()

@@ -10,7 +10,9 @@ what ``gact_graph`` stored) and the time per epoch.
     python examples/train_full_batch.py --dataset cora --root data --model gat --seeds 10
 
 Hyperparameters default to the published setup of the model for the dataset
-(``gact_graph.models.preset``); every flag below overrides one of them.
+(``gact_graph.models.preset``); every flag below overrides one of them. On a CPU, torch uses
+as many threads as this process may run on (affinity mask and cgroup CPU quota; ``--threads``
+overrides).
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gact_graph import compress_gnn
-from gact_graph.datasets import evaluate, load_dataset
+from gact_graph.cpus import usable_cpus
+from gact_graph.datasets import (
+    DATASETS,
+    DatasetNotFoundError,
+    ProcessedDataError,
+    dataset_info,
+    evaluate,
+    load_dataset,
+)
 from gact_graph.memory import count_saved_bytes, peak_memory
 from gact_graph.models import build_model, preset
 
@@ -49,21 +59,59 @@ def parse_bits(text: str) -> float | None:
     return int(bits) if bits.is_integer() else bits
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def dataset_name(text: str) -> str:
+    """A name ``load_dataset`` knows (checked before anything is loaded or trained)."""
+    key = text.lower()
+    if key != "synthetic":
+        try:
+            dataset_info(key.removeprefix("synthetic-"))  # real names and their aliases
+        except KeyError:
+            raise argparse.ArgumentTypeError(
+                f"unknown dataset {text!r}; choose from {', '.join(DATASETS)}, synthetic or "
+                "synthetic-<one of those>"
+            ) from None
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument(
         "--dataset",
+        type=dataset_name,
         default="synthetic",
         help="ogbn-arxiv, ogbn-products, flickr, reddit, yelp, cora, citeseer, "
         "pubmed,\nsynthetic (default) or synthetic-<name>",
     )
     p.add_argument("--model", choices=["gcn", "gat", "gcnii"], default="gcn")
-    p.add_argument("--layers", type=int, help="number of layers (preset)")
-    p.add_argument("--hidden", type=int, help="hidden width, per head for GAT (preset)")
-    p.add_argument("--heads", type=int, help="GAT heads per hidden layer (preset)")
-    p.add_argument("--epochs", type=int, help="maximum epochs (preset)")
+    p.add_argument("--layers", type=positive_int, help="number of layers (preset)")
+    p.add_argument("--hidden", type=positive_int, help="hidden width, per head for GAT (preset)")
+    p.add_argument("--heads", type=positive_int, help="GAT heads per hidden layer (preset)")
+    # At least one: the summary is the test metric at the best validation epoch, the train
+    # step's time and the bytes saved in training, none of which exists without an epoch.
+    p.add_argument("--epochs", type=positive_int, help="maximum epochs (preset)")
     p.add_argument(
         "--seeds",
         type=int,
@@ -84,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--root", default=None, help="dataset folder (default $GACT_GRAPH_DATA or data)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help=f"torch CPU threads (default: the CPUs this process may use, here {usable_cpus()})",
+    )
     p.add_argument("--lr", type=float, help="learning rate (preset)")
     p.add_argument("--weight-decay", type=float, help="weight decay (preset)")
     p.add_argument(
@@ -92,11 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, help="dropout (preset)")
     p.add_argument(
         "--patience",
-        type=int,
+        type=non_negative_int,
         help="stop after this many epochs without a better validation metric (preset; 0 = never)",
     )
-    p.add_argument("--scale", type=float, help="synthetic graphs: size relative to the real one")
-    p.add_argument("--num-nodes", type=int, help="synthetic graphs: number of nodes")
+    p.add_argument(
+        "--scale", type=positive_float, help="synthetic graphs: size relative to the real one"
+    )
+    p.add_argument("--num-nodes", type=positive_int, help="synthetic graphs: number of nodes")
     p.add_argument(
         "--adj-t",
         action="store_true",
@@ -105,7 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if len(args.seeds) == 1 and args.seeds[0] < 1:
+        p.error(f"argument --seeds: one number counts the seeds, at least 1, got {args.seeds[0]}")
+    return args
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,8 +344,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if synthetic and not args.dataset.lower().startswith("synthetic"):
         raise SystemExit("--scale/--num-nodes apply to synthetic datasets only")
 
+    torch.set_num_threads(args.threads or usable_cpus())
     start = time.perf_counter()
-    data = load_dataset(args.dataset, root=args.root, adj_t=args.adj_t, **synthetic)
+    try:
+        data = load_dataset(args.dataset, root=args.root, adj_t=args.adj_t, **synthetic)
+    except (DatasetNotFoundError, ProcessedDataError) as err:  # the message says what to do
+        raise SystemExit(f"error: {err}") from None
     load_s = time.perf_counter() - start
     data = data.to(args.device)
     metric = data.metric
@@ -300,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} edges, "
         f"{data.num_features} features, {data.num_classes} classes (loaded in {load_s:.1f}s)\n"
         f"{args.model.upper()} {cfg['model']}, lr {cfg['lr']}, wd {cfg['weight_decay']}, "
-        f"{cfg['epochs']} epochs, patience {cfg['patience']}, {bits}, device {args.device}"
+        f"{cfg['epochs']} epochs, patience {cfg['patience']}, {bits}, device {args.device} "
+        f"({torch.get_num_threads()} CPU threads)"
     )
 
     per_seed = [run_seed(seed, data, args, cfg) for seed in _seeds(args.seeds)]

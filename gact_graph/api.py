@@ -11,6 +11,7 @@ from gact_graph.core.controller import Controller
 from gact_graph.ops import install_pointwise_ops
 from gact_graph.policy.adaptive import attach_adapter
 from gact_graph.policy.levels import install_level
+from gact_graph.policy.watch import attach_watch
 from gact_graph.sparse import install_sparse_paths
 
 __all__ = ["compress_gnn"]
@@ -64,4 +65,8 @@ def compress_gnn(
         install_level(ctl)  # L2: swap to pinned CPU memory; CB1: compressed checkpointing
     if config.adaptive and not config.lossless:
         attach_adapter(ctl)  # bits per tensor from measured sensitivity (policy.adaptive)
+    if not config.lossless:
+        attach_watch(ctl)  # warns when compression noise makes the gradients blow up
+    if config.opt_level != "L0":
+        ctl.guard_interrupts()  # last: it wraps whatever forward the root has now
     return ctl

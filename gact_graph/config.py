@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from difflib import get_close_matches as close
 from typing import Any
 
-__all__ = ["CompressionConfig", "FIXED_BITS", "OPT_LEVELS"]
+__all__ = [
+    "CompressionConfig",
+    "DOUBLE_BACKWARD_HELP",
+    "EXTRA_OPTIONS",
+    "FIXED_BITS",
+    "OPT_LEVELS",
+    "PLAN_BITS",
+]
+
+#: The one answer every path gives to a ``create_graph=True`` backward it cannot differentiate
+#: again: which settings do support higher-order gradients.
+DOUBLE_BACKWARD_HELP = (
+    "higher-order gradients (create_graph=True) need every saved tensor exact and every "
+    "backward differentiable: compress_gnn(model, bits=None, pointwise=False, sparse=False)"
+)
 
 #: Bit widths that the quantizer packs densely (see `gact_graph.core.quantize`).
 FIXED_BITS = (1, 2, 4, 8)
+#: Bits a plan may give one tensor: the packed widths and 32 (kept as it is).
+PLAN_BITS = (*FIXED_BITS, 32)
+#: Advanced options, passed as ``compress_gnn(model, **extra)``, and the layer that reads each.
+#: Any other keyword is a mistake (a misspelled argument) and raises.
+EXTRA_OPTIONS = {
+    "max_graphs": "sparse: graphs whose adjacency stays cached (default 4)",
+    "chunk_bytes": "sparse: workspace of chunked SpMM and attention",
+    "swap_min_bytes": "L2: smallest payload that is swapped to host memory",
+    "swap_simulate": "L2: run the swap bookkeeping with plain copies (CPU)",
+    "checkpoint_segments": "CB1: the module paths that become checkpoint segments",
+    "ladder": "adaptive: the bit widths a plan may use",
+    "ema": "adaptive: weight of the old sensitivity estimate",
+    "max_interval": "adaptive: longest interval between re-estimations",
+    "estimator": "adaptive: 'probe' or 'two_seed' (GACT's Algorithm 1)",
+    "alert_share": "adaptive: compression share of the gradient variance that warns",
+    "hysteresis": "adaptive: how much better a new plan must be to replace the old",
+}
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.
 OPT_LEVELS = ("L0", "L1", "L2", "CB1")
@@ -49,6 +81,25 @@ class CompressionConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("adaptive", "sparse", "pointwise"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"extra must be a dict of options, got {self.extra!r}")
+        unknown = sorted(set(self.extra) - set(EXTRA_OPTIONS))
+        if unknown:
+            words = [f.name for f in fields(self) if f.name != "extra"] + list(EXTRA_OPTIONS)
+            said = ", ".join(
+                f"{k!r}" + "".join(f" (did you mean {h!r}?)" for h in close(k, words, n=1))
+                for k in unknown
+            )
+            raise TypeError(
+                f"compress_gnn() got unexpected keyword argument(s) {said}; the options are "
+                f"the named arguments and {sorted(EXTRA_OPTIONS)}"
+            )
         if self.bits == 32:
             self.bits = None
         if self.bits is not None:

@@ -95,3 +95,47 @@ def test_bits_parsing(example):
     with pytest.raises(argparse.ArgumentTypeError):
         example.parse_bits("lots")
     assert example._seeds([3]) == [0, 1, 2] and example._seeds([4, 9]) == [4, 9]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--epochs", "0"], "argument --epochs: must be at least 1, got '0'"),
+        (["--dataset", "nosuch"], "argument --dataset: unknown dataset 'nosuch'; choose from"),
+        (["--dataset", "synthetic-nosuch"], "argument --dataset: unknown dataset 'synthetic-"),
+        (["--seeds", "0"], "argument --seeds: one number counts the seeds, at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(example, capsys, args, message):
+    """Rejected before anything is loaded: argparse's ``error:`` line, exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        example.main(args + ["--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
+
+
+def test_missing_dataset_files_exit_with_the_loader_message(example, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--dataset", "citeseer", "--root", str(tmp_path), "--no-progress"])
+    assert str(exit_.value.code).startswith("error: citeseer: missing ")
+    assert os.path.join(str(tmp_path), "CiteSeer", "raw", "ind.citeseer.graph") in exit_.value.code
+
+
+@pytest.fixture
+def torch_threads():
+    """The example sets torch's thread count for the whole process: put it back."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield torch
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], 1), (["--threads", "2"], 2)])
+def test_threads_default_to_the_usable_cpus(example, torch_threads, monkeypatch, flag, expected):
+    # as if this process were granted one CPU (cgroup quota or affinity mask)
+    monkeypatch.setattr(example, "usable_cpus", lambda: 1)
+    torch_threads.set_num_threads(3)
+    example.main(["--num-nodes", "200", "--epochs", "1", "--hidden", "8", "--no-progress"] + flag)
+    assert torch_threads.get_num_threads() == expected

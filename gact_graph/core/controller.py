@@ -17,6 +17,8 @@ compressed storage is freed exactly when autograd would have freed the original.
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gact_graph.config import CompressionConfig
-from gact_graph.core.quantize import QTensor, quantize
+from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
+from gact_graph.core.quantize import QTensor, exceeds_fp32_range, quantize
 from gact_graph.core.saved import (
     KINDS,
     StorageSet,
@@ -42,6 +44,10 @@ from gact_graph.kernels.bitpack import PackedMask, pack_mask
 __all__ = ["Controller", "Stored", "mix_seed"]
 
 _MASK64 = (1 << 64) - 1
+
+#: module -> the live controller compressing it (weakly on both sides): a module shared by two
+#: models must not be patched twice
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def mix_seed(*parts: int) -> int:
@@ -98,9 +104,8 @@ class Stored:
             return p
         if torch.is_grad_enabled() and self.bits is not None:
             raise RuntimeError(
-                "gact_graph: double backward (create_graph=True) through a compressed activation "
-                f"('{self.name}') is not supported; compress with bits=None for higher-order "
-                "gradients"
+                f"gact_graph: '{self.name}' is stored compressed and carries no graph; "
+                + DOUBLE_BACKWARD_HELP
             )
         if isinstance(p, QTensor):
             return p.dequantize()
@@ -134,6 +139,16 @@ class Controller:
                 "this model is already compressed by a gact_graph Controller; call its remove() "
                 "first"
             )
+        for path, module in model.named_modules():
+            owner = _OWNERS.get(module)
+            if owner is not None and owner() is not None:
+                raise RuntimeError(
+                    f"gact_graph: module {path or '<root>'!r} ({type(module).__name__}) is part "
+                    "of another compressed model; one module can be compressed by one "
+                    "controller at a time (its forward is patched and its saved tensors are "
+                    "named by that model). remove() the other controller first, or give each "
+                    "model its own copy of the module"
+                )
         self.model = model
         self.config = config if config is not None else CompressionConfig()
         self.step = 0
@@ -149,10 +164,16 @@ class Controller:
         self.payload_wrapper: Callable[[Stored], Stored] | None = None
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        #: (module, had an instance ``forward``, that forward) per `patch_forward`, in order
+        self._forward_patches: list[tuple[nn.Module, bool, Any]] = []
         self._undo: list[Callable[[], None]] = []
         self._context_factories: list[Callable[[], contextlib.AbstractContextManager]] = []
-        self._active: contextlib.ExitStack | None = None
-        self._module_stack: list[str] = []
+        self._step_hooks: list[Callable[[Controller], None]] = []
+        # What a forward installs is per thread, as PyTorch's saved-tensor hooks and
+        # torch-function modes are: another thread's eval forward must neither see nor close it.
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._compressing_threads = 0
         self._pack_counts: dict[str, int] = {}
         self._dedup: dict[Any, tuple[Any, weakref.ref]] = {}
         self._params = StorageSet()
@@ -164,10 +185,17 @@ class Controller:
         self._record_of: dict[str, dict[str, Any]] = {}
         self._live: list[weakref.ref] = []
         self._removed = False
+        self._warned_range: set[str] = set()
 
         if self.config.opt_level != "L0":
             self._install()
+        for module in model.modules():
+            _OWNERS[module] = weakref.ref(self)
         model._gact_graph_controller = self
+        # copy.deepcopy and pickle (torch.save) look these up on the instance: a copy of a
+        # compressed model comes out uncompressed (see `_detached`)
+        model.__deepcopy__ = self._deepcopy_model
+        model.__reduce_ex__ = self._reduce_model
 
     # ------------------------------------------------------------------ install / remove
     def _install(self) -> None:
@@ -200,14 +228,98 @@ class Controller:
         """Register a function that `remove()` calls (in reverse order) to undo a patch."""
         self._undo.append(undo)
 
+    def add_handle(self, handle: torch.utils.hooks.RemovableHandle) -> None:
+        """Own a hook that a layer above registered on the model: `remove()` removes it and
+        copies of the model never carry it (it may also be removed earlier by its owner)."""
+        self._handles.append(handle)
+
+    def patch_forward(self, module: nn.Module, forward: Callable) -> None:
+        """Shadow ``module.forward`` with ``forward`` on the instance (graph-aware paths,
+        checkpointing). `remove()` restores the previous state exactly, with no instance
+        attribute left behind, and copies of the model never carry the patch."""
+        had = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+
+        def undo() -> None:
+            if had:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+
+        self._forward_patches.append((module, had, previous))
+        module.forward = forward
+        self.add_undo(undo)
+
+    def guard_interrupts(self) -> None:
+        """Leave the forward's hooks even when it stops on a `BaseException` (Ctrl-C,
+        ``SystemExit``), which PyTorch's ``always_call`` forward hooks do not see: otherwise the
+        process-wide saved-tensor hooks and torch-function modes would stay installed and
+        compress every other model's autograd graph. Wraps the root's ``forward`` as it is
+        now, so `compress_gnn` calls it last, after every layer has patched what it patches."""
+        inner = self.model.forward
+
+        def forward(*args, **kwargs):
+            try:
+                return inner(*args, **kwargs)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # Exceptions: the always_call hook exits
+                    self._exit_forward(self.model, args, None)
+                raise
+
+        self.patch_forward(self.model, forward)
+
+    @contextlib.contextmanager
+    def _detached(self):
+        """The model as it was before `compress_gnn`, for the duration of the block: our hooks
+        taken out of the hook dicts (other hooks keep their order), our forward patches and
+        instance attributes set aside; everything is put back afterwards."""
+        dicts: dict[int, tuple[dict, dict]] = {}
+        for h in self._handles:
+            refs = (h.hooks_dict_ref, *getattr(h, "extra_dict_ref", ()))
+            for d in (r() for r in refs):
+                if d is not None and h.id in d:
+                    dicts.setdefault(id(d), (d, dict(d)))[0].pop(h.id)
+        forwards: dict[int, tuple[nn.Module, bool, Any]] = {}
+        for module, had, previous in self._forward_patches:  # the first patch holds the original
+            if id(module) not in forwards:
+                forwards[id(module)] = (module, "forward" in module.__dict__, module.forward)
+                if had:
+                    module.forward = previous
+                else:
+                    module.__dict__.pop("forward", None)
+        own = ("_gact_graph_controller", "__deepcopy__", "__reduce_ex__")
+        attrs = {k: self.model.__dict__.pop(k) for k in own if k in self.model.__dict__}
+        try:
+            yield
+        finally:
+            self.model.__dict__.update(attrs)
+            for module, had, current in forwards.values():
+                if had:
+                    module.forward = current
+            for d, before in dicts.values():
+                d.clear()
+                d.update(before)
+
+    def _deepcopy_model(self, memo: dict[int, Any] | None = None) -> nn.Module:
+        """``copy.deepcopy(model)``: an uncompressed copy (compress it with its own
+        `compress_gnn` if it trains); this controller keeps compressing the original."""
+        with self._detached():
+            return copy.deepcopy(self.model, memo)
+
+    def _reduce_model(self, protocol: int):
+        """Pickling (``torch.save(model)``) stores the uncompressed model: the controller holds
+        hooks, thread-local state and live autograd objects that have no meaning in a file.
+        The state is taken from an uncompressed copy, since pickle reads the submodules only
+        after this returns."""
+        return self._deepcopy_model().__reduce_ex__(protocol)
+
     def remove(self) -> None:
         """Remove every hook and patch: the model behaves exactly as before `compress_gnn`."""
         if self._removed:
             return
         self._removed = True
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        if self._active is not None:  # this thread's; other threads close theirs on exit
+            self._close_forward()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -215,9 +327,16 @@ class Controller:
             undo()
         self._undo.clear()
         self._context_factories.clear()
+        self._step_hooks.clear()
         self._dedup.clear()
+        self._forward_patches.clear()
+        for module in self.model.modules():
+            owner = _OWNERS.get(module)
+            if owner is not None and owner() is self:
+                del _OWNERS[module]
         if getattr(self.model, "_gact_graph_controller", None) is self:
-            del self.model._gact_graph_controller
+            for k in ("_gact_graph_controller", "__deepcopy__", "__reduce_ex__"):
+                self.model.__dict__.pop(k, None)
 
     def __enter__(self) -> Controller:
         return self
@@ -226,11 +345,39 @@ class Controller:
         self.remove()
 
     # ------------------------------------------------------------------ forward tracking
+    @property
+    def _active(self) -> contextlib.ExitStack | None:
+        return getattr(self._tls, "active", None)
+
+    @property
+    def _module_stack(self) -> list[str]:
+        stack = getattr(self._tls, "modules", None)
+        if stack is None:
+            stack = self._tls.modules = []
+        return stack
+
+    @property
+    def compressing(self) -> bool:
+        """True inside a forward of the model that this controller compresses, in this thread
+        (graph-aware layers and levels step in only then)."""
+        return self._active is not None
+
     def _enter_forward(self, module, args, kwargs):
-        if self._active is not None:  # re-entrant call of the root inside its own forward
+        depth = getattr(self._tls, "depth", 0)
+        self._tls.depth = depth + 1
+        if depth:  # re-entrant call of the root inside its own forward: the outer one holds
             return None
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so install nothing
             return None
+        with self._lock:
+            if self._compressing_threads:
+                self._tls.depth = 0
+                raise RuntimeError(
+                    "gact_graph: this compressed model is already running a training forward "
+                    "(grad enabled) in another thread; one controller compresses one forward at "
+                    "a time (no_grad/eval forwards in other threads are fine)"
+                )
+            self._compressing_threads += 1
         self._forward_id += 1
         self._pack_counts = {}
         self._dedup.clear()
@@ -244,14 +391,24 @@ class Controller:
                 stack.enter_context(factory())
         except BaseException:
             stack.close()
+            with self._lock:
+                self._compressing_threads -= 1
+            self._tls.depth = 0
             raise
-        self._active = stack
+        self._tls.active = stack
         return None
 
+    def _close_forward(self) -> None:
+        stack, self._tls.active = self._tls.active, None
+        with self._lock:
+            self._compressing_threads -= 1
+        stack.close()
+
     def _exit_forward(self, module, args, output):
-        if self._active is not None:
-            stack, self._active = self._active, None
-            stack.close()
+        depth = getattr(self._tls, "depth", 0)
+        self._tls.depth = max(depth - 1, 0)
+        if depth <= 1 and self._active is not None:
+            self._close_forward()
         return None
 
     def _push_module(self, path: str):
@@ -332,6 +489,15 @@ class Controller:
         bits = self.bits_for(name)
         if bits is None or bits >= 32 or t.numel() < self.config.min_numel:
             return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
+        if exceeds_fp32_range(t):  # would come back NaN: keep it, and say so once
+            if name not in self._warned_range:
+                self._warned_range.add(name)
+                warnings.warn(
+                    f"gact_graph: saved float64 tensor {name!r} holds values beyond fp32's "
+                    "range; it is kept unquantized (the quantizer works in fp32)",
+                    stacklevel=2,
+                )
+            return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
         seed = mix_seed(
             self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
         )
@@ -352,7 +518,14 @@ class Controller:
         """
         if self.adapter is not None:
             self.adapter.maybe_adapt(self, step_fn)
+        for hook in self._step_hooks:
+            hook(self)
         self.step += 1
+
+    def add_step_hook(self, hook: Callable[[Controller], None]) -> None:
+        """Call ``hook(ctl)`` at every `iterate()` (after the optimizer step, before the step
+        count advances): policies that watch training, such as `gact_graph.policy.watch`."""
+        self._step_hooks.append(hook)
 
     def stats(self) -> dict[str, Any]:
         """Exact bytes of the last forward that saved tensors for backward.
@@ -430,15 +603,45 @@ class Controller:
             "step": self.step,
             "plan": dict(self.plan),
             "config": self.config.to_dict(),
+            # which model the plan's tensor names belong to (checked by load_state_dict)
+            "model": type(self.model).__qualname__,
+            "modules": sorted(self.module_paths),
         }
         if self.adapter is not None:
             state["adapter"] = self.adapter.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`. Everything is checked before anything changes: a state of
+        another model, a malformed plan or step raises and leaves the controller as it was."""
+        if not isinstance(state, dict):
+            raise TypeError(f"gact_graph state_dict must be a dict, got {type(state).__name__}")
         missing = {"step", "plan", "config"} - set(state)
         if missing:
             raise KeyError(f"gact_graph state_dict lacks {sorted(missing)}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"gact_graph state_dict: step must be an int >= 0, got {step!r}")
+        model = type(self.model).__qualname__
+        if state.get("model", model) != model:
+            raise ValueError(
+                f"gact_graph state_dict was saved for a {state['model']}, not this {model}"
+            )
+        plan = state["plan"]
+        if not isinstance(plan, dict):
+            raise TypeError(f"gact_graph state_dict: plan must be a dict, got {plan!r}")
+        for name, bits in plan.items():
+            if bits is not None and (isinstance(bits, bool) or bits not in PLAN_BITS):
+                raise ValueError(
+                    f"gact_graph state_dict: plan gives tensor {name!r} {bits!r} bits; "
+                    f"a plan holds {PLAN_BITS} or None (lossless)"
+                )
+            path = str(name).rpartition("#")[0]
+            if path not in self.module_paths:
+                raise ValueError(
+                    f"gact_graph state_dict: plan names tensor {name!r} of module {path!r}, "
+                    f"which this {model} does not have (a state of another model?)"
+                )
         saved_cfg = state["config"]
         for key in ("bits", "adaptive", "group_size"):
             if saved_cfg.get(key) != getattr(self.config, key):
@@ -447,7 +650,7 @@ class Controller:
                     f"controller with {key}={getattr(self.config, key)!r}",
                     stacklevel=2,
                 )
-        self.step = int(state["step"])
-        self.plan = dict(state["plan"])
+        self.step = step
+        self.plan = dict(plan)
         if "adapter" in state and self.adapter is not None:
             self.adapter.load_state_dict(state["adapter"])

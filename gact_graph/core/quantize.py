@@ -66,6 +66,7 @@ __all__ = [
     "META_BYTES_PER_GROUP",
     "QTensor",
     "SUPPORTED_BITS",
+    "exceeds_fp32_range",
     "group_layout",
     "quantize",
 ]
@@ -156,6 +157,15 @@ class QTensor:
         return lo, scale
 
 
+def exceeds_fp32_range(x: Tensor) -> bool:
+    """True for a float64 tensor with finite values that fp32 cannot hold (they would become
+    inf and their group NaN). Only float64 is read (a device sync); other dtypes fit."""
+    if x.dtype != torch.float64 or x.numel() == 0:
+        return False
+    big = x.abs() > torch.finfo(torch.float32).max
+    return bool((big & torch.isfinite(x)).any())
+
+
 def quantize(x: Tensor, bits: int, group_size: int = 256, seed: int | None = None) -> QTensor:
     """Quantize ``x`` per group to ``bits`` bits with unbiased stochastic rounding.
 
@@ -174,6 +184,11 @@ def quantize(x: Tensor, bits: int, group_size: int = 256, seed: int | None = Non
     if not isinstance(x, Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, Tensor) else type(x).__name__
         raise TypeError(f"quantize expects a floating-point tensor, got {got}")
+    if exceeds_fp32_range(x):
+        raise ValueError(
+            "quantize works in fp32, and this float64 tensor holds finite values beyond fp32's "
+            "range (|x| > 3.4e38), which would come back as NaN; keep it unquantized"
+        )
     layout = group_layout(x.shape, group_size)
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())

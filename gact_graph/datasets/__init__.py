@@ -10,6 +10,7 @@ on-disk formats, and seeded synthetic graphs of the same sizes.
 from gact_graph.datasets.info import DATASETS, DatasetInfo, dataset_info
 from gact_graph.datasets.preprocess import (
     DatasetNotFoundError,
+    ProcessedDataError,
     gcn_normalized_adjacency,
     normalized_adjacency,
     undirected_coalesced,
@@ -27,6 +28,7 @@ __all__ = [
     "DATASETS",
     "DatasetInfo",
     "DatasetNotFoundError",
+    "ProcessedDataError",
     "accuracy",
     "available_datasets",
     "dataset_info",

@@ -6,23 +6,58 @@ On-disk layout (the original Planetoid files, as ``Planetoid(root, "Cora")`` exp
     <root>/Cora/raw/ind.cora.{x,tx,allx,y,ty,ally,graph,test.index}
     <root>/CiteSeer/raw/ind.citeseer.{...}
     <root>/PubMed/raw/ind.pubmed.{...}
+
+The processed graph is cached in ``<root>/<Name>/processed_gact_graph/``, not in PyG's usual
+``<root>/<Name>/processed/``: CogDL's ``CoraDataset(data_path=root)`` (and its CiteSeer and
+PubMed siblings) keeps its own, incompatible ``processed/data.pt`` there and cannot be pointed
+elsewhere, so one root serves both.
 """
 
 from __future__ import annotations
 
 import os.path as osp
+import pickle
 
 from torch_geometric.data import Data
+from torch_geometric.datasets import Planetoid
 
 from gact_graph.datasets.info import dataset_info
-from gact_graph.datasets.preprocess import finalize, require_files
+from gact_graph.datasets.preprocess import ProcessedDataError, finalize, require_files
 
-__all__ = ["load_planetoid", "PLANETOID_NAMES", "planetoid_raw_files"]
+__all__ = ["load_planetoid", "PLANETOID_NAMES", "PROCESSED_FOLDER", "planetoid_raw_files"]
 
 # PyG's spelling: the folder under root and the name passed to ``Planetoid``.
 PLANETOID_NAMES = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
+#: where, under ``<root>/<Name>/``, this loader caches the processed graph
+PROCESSED_FOLDER = "processed_gact_graph"
 _PARTS = ["x", "tx", "allx", "y", "ty", "ally", "graph", "test.index"]
 _SOURCE = "https://github.com/kimiyoung/planetoid/raw/master/data"
+# What reading a processed file that PyG did not write raises: another object than PyG's
+# tuple (AssertionError), not a torch file (UnpicklingError, EOFError, RuntimeError), a pickle
+# of a class from a package that is not installed (ImportError).
+_FOREIGN_FILE_ERRORS = (
+    AssertionError, EOFError, ImportError, RuntimeError, pickle.UnpicklingError,
+)  # fmt: skip
+
+
+class _Planetoid(Planetoid):
+    """PyG's ``Planetoid`` with its processed files in ``<root>/<Name>/processed_gact_graph``,
+    and a clear error instead of PyG's bare ``AssertionError`` when that folder holds a file
+    PyG did not write."""
+
+    @property
+    def processed_dir(self) -> str:
+        return osp.join(self.root, self.name, PROCESSED_FOLDER)
+
+    def load(self, path: str, data_cls: type = Data) -> None:
+        try:
+            super().load(path, data_cls)
+        except _FOREIGN_FILE_ERRORS as err:
+            raise ProcessedDataError(
+                f"{self.name}: {path} is not a processed dataset of PyG's Planetoid (reading "
+                f"it raised {type(err).__name__}); another tool or version wrote it. Delete the "
+                f"folder {self.processed_dir!r}: it is rebuilt from {self.raw_dir!r}."
+            ) from err
 
 
 def planetoid_raw_files(name: str) -> list[str]:
@@ -39,9 +74,8 @@ def load_planetoid(name: str, root: str, normalize_features: bool = True) -> Dat
 
     Raises:
         DatasetNotFoundError: a required file is missing (nothing is downloaded).
+        ProcessedDataError: the cached processed file was not written by PyG's ``Planetoid``.
     """
-    from torch_geometric.datasets import Planetoid
-
     info = dataset_info(name)
     pyg_name = PLANETOID_NAMES[info.name]
     base = osp.join(root, pyg_name)
@@ -51,7 +85,7 @@ def load_planetoid(name: str, root: str, normalize_features: bool = True) -> Dat
         [f"raw/{f}" for f in planetoid_raw_files(info.name)],
         f"Get them from {_SOURCE}.",
     )
-    data = Planetoid(root, pyg_name, split="public")[0]
+    data = _Planetoid(root, pyg_name, split="public")[0]
     if normalize_features:
         x = data.x - data.x.min()
         data.x = x / x.sum(dim=-1, keepdim=True).clamp(min=1.0)

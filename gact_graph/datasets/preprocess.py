@@ -14,6 +14,7 @@ from torch_geometric.data import Data
 
 __all__ = [
     "DatasetNotFoundError",
+    "ProcessedDataError",
     "default_root",
     "require_files",
     "undirected_coalesced",
@@ -29,6 +30,11 @@ __all__ = [
 class DatasetNotFoundError(FileNotFoundError):
     """A real dataset's files are not on disk. Nothing is downloaded: the message lists the
     files to put where."""
+
+
+class ProcessedDataError(RuntimeError):
+    """A cached processed file cannot be read as the loader's own (another tool or version
+    wrote it). The message names the folder to delete; it is rebuilt from the raw files."""
 
 
 def default_root() -> str:

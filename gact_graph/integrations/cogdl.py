@@ -114,7 +114,7 @@ class _SpmmRouter:
         """The controller whose compressed forward is running now, if any."""
         for ref in self.controllers:
             ctl = ref()
-            if ctl is not None and ctl._active is not None:
+            if ctl is not None and ctl.compressing:
                 return ctl
         return None
 

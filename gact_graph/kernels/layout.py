@@ -91,6 +91,6 @@ def group_layout(shape: Sequence[int] | torch.Size, group_size: int = 256) -> Gr
         g = _round_up_8(-(-cols // n))
         n = -(-cols // g)
         return GroupLayout(rows * n, g, rows, cols, n, 1)
-    k = group_size // cols
+    k = min(group_size // cols, rows)  # never a group larger than the tensor needs
     g = _round_up_8(k * cols)
     return GroupLayout(-(-rows // k), g, rows, cols, 1, k)

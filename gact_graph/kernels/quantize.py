@@ -49,6 +49,12 @@ _INV_2_24 = 1.0 / 16777216.0
 #: default block size of the reference (elements of the group matrix per step)
 CHUNK_ELEMS = 1 << 20
 
+#: Largest finite fp16. A group's range is stored rounded outward to bf16, so the top level
+#: ``lo + (2^b - 1) * scale`` of a finite fp16 group near 65504 can exceed it and would round to
+#: inf; dequantization clamps fp16 output to +-FP16_MAX (the true values lie inside, so this can
+#: only move a reconstruction towards them).
+FP16_MAX = torch.finfo(torch.float16).max
+
 
 def _inv_levels(bits: int) -> float:
     """``1 / (2**bits - 1)`` rounded to fp32 (the same constant in both paths)."""
@@ -186,6 +192,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         GROUPS: tl.constexpr,
         OUT_BF16: tl.constexpr,
+        OUT_FP16: tl.constexpr,
     ):
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
@@ -215,6 +222,9 @@ if triton is not None:
             (sc16 << 16).to(tl.float32, bitcast=True),
         )
         val = lo_eff[:, None] + code.to(tl.float32) * sc_eff[:, None]
+        if OUT_FP16:  # 65504 = FP16_MAX (see there); NaN groups stay NaN
+            val = tl.minimum(tl.maximum(val, -65504.0, tl.PropagateNan.ALL), 65504.0,
+                             tl.PropagateNan.ALL)  # fmt: skip
         if OUT_BF16:
             # Round to nearest even on the bits (as torch does; Triton's interpreter truncates),
             # storing through an int16 view of the output. NaN -> torch's canonical 0x7FC0.
@@ -304,6 +314,7 @@ def triton_dequantize(
             BLOCK=block,
             GROUPS=groups,
             OUT_BF16=dtype == torch.bfloat16,
+            OUT_FP16=dtype == torch.float16,
             num_warps=4,
             enable_fp_fusion=False,  # belt and braces: no product here needs rounding anyway
         )
@@ -547,6 +558,8 @@ def dequantize_reference(
             table, 0, idx, out=dst.view(-1, table.shape[1]) if direct else None
         )
         vals = codes.view(-1, g).mul_(scale[:, None]).add_(lo[:, None])  # exact product
+        if dtype == torch.float16:
+            vals.clamp_(-FP16_MAX, FP16_MAX)  # see FP16_MAX; clamp keeps NaN groups NaN
         if not direct:
             dst.copy_(_from_group_matrix(vals, blk, layout))
     return out

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gact_graph.config import DOUBLE_BACKWARD_HELP
+
 __all__ = [
     "EluFunction",
     "InvertedFunction",
@@ -328,9 +330,8 @@ class InvertedFunction(torch.autograd.Function):
             # once_differentiable would let a create_graph backward run and silently drop the
             # second-order term whenever ``grad`` itself needs no gradient; refuse instead.
             raise RuntimeError(
-                f"gact_graph: double backward (create_graph=True) through {ctx.name} is not "
-                "supported: its derivative is rebuilt from the saved output by table lookup. "
-                "Compress with pointwise=False for higher-order gradients."
+                f"gact_graph: {ctx.name} rebuilds its derivative from the saved output by table "
+                "lookup, which is differentiable once; " + DOUBLE_BACKWARD_HELP
             )
         y, right = ctx.saved_tensors
         d = inverse_derivative(y, right, ctx.name)

@@ -263,6 +263,15 @@ HANDLERS: dict[Any, Handler] = {
 }
 
 
+def _inside_torch_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s (its
+    non-reentrant forward). Its recomputation runs outside our forward, hence without this
+    mode, and must save exactly what the forward saved: so inside a checkpoint the mode steps
+    aside and the stock ops run (the checkpoint keeps none of their tensors anyway)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
 class PointwiseMode(TorchFunctionMode):
     """Routes the ops in `HANDLERS` to mask-saving / regenerating / inverted Functions.
 
@@ -281,7 +290,7 @@ class PointwiseMode(TorchFunctionMode):
             handler = self.handlers.get(func)
         except TypeError:  # an unhashable callable
             handler = None
-        if handler is not None:
+        if handler is not None and not _inside_torch_checkpoint():
             out = handler(args, kwargs)
             if out is not NotImplemented:
                 name = getattr(func, "__name__", str(func))

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from gact_graph.config import PLAN_BITS
 from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
 from gact_graph.policy.sensitivity import S, SensitivityProbe, two_seed_sensitivity
 
@@ -59,8 +60,7 @@ __all__ = [
 ]
 
 #: Bit widths a plan may use: what the quantizer packs, and 32 (kept as is).
-DEFAULT_LADDER = (1, 2, 4, 8, 32)
-_ALLOWED = (1, 2, 4, 8, 32)
+DEFAULT_LADDER = PLAN_BITS
 _DP_CELLS = 1 << 25
 
 
@@ -94,8 +94,8 @@ def plan_cost_bits(
 
 def _check_ladder(ladder: Sequence[int]) -> tuple[int, ...]:
     lad = tuple(sorted(set(int(b) for b in ladder)))
-    if not lad or any(b not in _ALLOWED for b in lad):
-        raise ValueError(f"ladder must be a non-empty subset of {_ALLOWED}, got {tuple(ladder)}")
+    if not lad or any(b not in PLAN_BITS for b in lad):
+        raise ValueError(f"ladder must be a non-empty subset of {PLAN_BITS}, got {tuple(ladder)}")
     return lad
 
 
@@ -628,7 +628,8 @@ class Adapter:
             self._probe = None
 
 
-#: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads
+#: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads (each
+#: listed, with what it does, in `gact_graph.config.EXTRA_OPTIONS`)
 ADAPTER_OPTIONS = ("ladder", "ema", "max_interval", "estimator", "alert_share", "hysteresis")
 
 

@@ -410,9 +410,6 @@ def _keep_running_stats(module: nn.Module):
                     b.copy_(v)
 
 
-_SERIAL = itertools.count()
-
-
 class _Segment:
     """One call of a checkpointed module (torch's non-reentrant algorithm, compressing)."""
 
@@ -422,7 +419,7 @@ class _Segment:
         self.path = path
         self.module = module
         self.fn = fn
-        self.serial = next(_SERIAL)
+        self.serial = manager.next_serial(ctl.step)
         self.holders: list[weakref.ref] = []
         self.meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.recomputed: dict[Any, dict[int, Stored]] = {}
@@ -608,31 +605,32 @@ class CheckpointManager:
             "recomputed_stored_bytes": 0,
             "max_segment_stored_bytes": 0,
         }
+        self._serial_step, self._serial = -1, 0
         for path, module in self.segments:
             self._wrap(ctl, path, module)
 
+    def next_serial(self, step: int) -> int:
+        """Rounding-seed salt of a segment call: (step, call within the step). It depends on
+        nothing else, so the same run twice in one process, or resumed from ``state_dict()``,
+        rounds its recomputed tensors exactly alike."""
+        if step != self._serial_step:
+            self._serial_step, self._serial = step, 0
+        self._serial += 1
+        return mix_seed(step, self._serial)
+
     def _wrap(self, ctl: Controller, path: str, module: nn.Module) -> None:
-        had = "forward" in module.__dict__
-        previous = module.__dict__.get("forward")
         inner = module.forward  # a graph-aware patch if one is installed, else the class's
 
         def forward(*args, **kwargs):
             c = self._ctl()
-            if c is None or c._active is None or self._depth or not torch.is_grad_enabled():
+            if c is None or not c.compressing or self._depth or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
             try:
                 return _Segment(self, c, path, module, inner).run(args, kwargs)
             finally:
                 self._label(c, path)
 
-        def undo() -> None:
-            if had:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-
-        module.forward = forward
-        ctl.add_undo(undo)
+        ctl.patch_forward(module, forward)
         ctl.module_paths[path] = f"{ctl.module_paths.get(path, 'generic')}+ckpt"
 
     @staticmethod

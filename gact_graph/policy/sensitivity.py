@@ -345,7 +345,6 @@ class SensitivityProbe:
         self._sq: dict[str, float] = {}
         self._bits: dict[str, int] = {}
         self._numel: dict[str, int] = {}
-        self._noise: dict[int, tuple[Tensor, int]] = {}  # id(stored) -> (x_hat + eps, bits)
         self._override: dict[int, Tensor] = {}
         self._node_handles: list[Any] = []
         self._fwd_handle = None
@@ -374,6 +373,7 @@ class SensitivityProbe:
         ctl._pack = pack
         ctl._unpack = unpack
         self._fwd_handle = ctl.model.register_forward_hook(self._after_forward)
+        ctl.add_handle(self._fwd_handle)
 
     def _restore_unpack(self) -> None:
         ctl = self.ctl
@@ -451,12 +451,20 @@ class SensitivityProbe:
         return None
 
     def _pre_hook(self, node):
+        python_node = not callable(node)
+
         def hook(grad_outputs):
             if not self._busy():
                 self._tls.reads = []
+                # a Python node may accumulate into .grad itself (reentrant checkpoint runs a
+                # nested backward): see whether it does, so that its replay can be undone
+                self._tls.grad_state = self._grad_state() if python_node else None
             return None
 
         return hook
+
+    def _grad_state(self) -> list[tuple[int, int]]:
+        return [(-1, -1) if p.grad is None else (id(p.grad), p.grad._version) for p in self._params]
 
     def _post_hook(self, node):
         def hook(grad_inputs, grad_outputs):
@@ -464,6 +472,8 @@ class SensitivityProbe:
                 return None
             reads = getattr(self._tls, "reads", None)
             self._tls.reads = None
+            before = getattr(self._tls, "grad_state", None)
+            side_effects = before is not None and before != self._grad_state()
             if not reads:
                 return None
             t0 = time.perf_counter()
@@ -476,7 +486,7 @@ class SensitivityProbe:
                         continue
                     done.add(id(stored))
                     try:
-                        self._probe(node, stored, x_hat, grad_inputs, grad_outputs)
+                        self._probe(node, stored, x_hat, grad_inputs, grad_outputs, side_effects)
                     except Exception as exc:  # a node we cannot replay: say so, never break
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
             finally:
@@ -503,9 +513,10 @@ class SensitivityProbe:
 
     # ---------------------------------------------------------------- the estimate
     def _noisy(self, stored, x_hat: Tensor) -> tuple[Tensor, int]:
-        hit = self._noise.get(id(stored))
-        if hit is not None:
-            return hit
+        """``x_hat`` plus its probing noise. Drawn again at every read from the tensor's own
+        seed (the same draw each time, so the nodes reading one tensor see correlated noise),
+        never cached: a cache held a full-precision copy of every probed tensor until the end
+        of backward, which made re-planning steps peak at 2.3x the fixed-bit step."""
         p = stored.payload
         seed = _stable_seed(self.seed, stored.name)
         if isinstance(p, QTensor):
@@ -515,8 +526,8 @@ class SensitivityProbe:
             bits = 8
             q8 = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
             eps = _rounding_noise(q8, x_hat, seed, rounding_variance_factor(p, q8, seed=seed))
-        noisy = (x_hat.float() + eps).to(x_hat.dtype)
-        self._noise[id(stored)] = (noisy, bits)
+        noisy = eps.add_(x_hat).to(x_hat.dtype)
+        del eps
         self._bits[stored.name] = bits
         self._numel[stored.name] = x_hat.numel()
         return noisy, bits
@@ -534,14 +545,50 @@ class SensitivityProbe:
         out = node.apply(*gos)
         return out if isinstance(out, tuple) else (out,)
 
-    def _probe(self, node, stored, x_hat, grad_inputs, grad_outputs) -> None:
-        noisy, bits = self._noisy(stored, x_hat)
+    def _replay_noisy(self, node, stored, noisy, grad_outputs):
         self._override[id(stored)] = noisy
         try:
-            out = self._replay(node, grad_outputs)
+            return self._replay(node, grad_outputs)
         finally:
             self._override.pop(id(stored), None)
+
+    def _replay_undone(self, replay) -> tuple[Any, list[Tensor | None]]:
+        """Run ``replay()`` of a node that accumulates into parameters' ``.grad`` itself; put
+        every ``.grad`` back as it was and return what the replay added to each."""
+        kept = [p.grad for p in self._params]
+        for p, g in zip(self._params, kept):
+            if g is not None:
+                p.grad = g.clone()  # the replay accumulates into this copy, not the real one
+        try:
+            out = replay()
+            added = [
+                None if p.grad is None or p.grad is g else p.grad - (0 if g is None else g)
+                for p, g in zip(self._params, kept)
+            ]
+        finally:
+            for p, g in zip(self._params, kept):
+                p.grad = g
+        return out, added
+
+    def _probe(
+        self, node, stored, x_hat, grad_inputs, grad_outputs, side_effects: bool = False
+    ) -> None:
+        noisy, bits = self._noisy(stored, x_hat)
         acc = self._acc.setdefault(stored.name, {})
+        if side_effects:
+            # e.g. torch.utils.checkpoint(use_reentrant=True): the node's parameter gradients
+            # never leave it, they are accumulated into .grad inside. Replay it clean and noisy,
+            # take the difference of what each added, and leave .grad as the real backward set
+            # it (replaying into the real .grad added the gradients twice).
+            out, noisy_added = self._replay_undone(
+                lambda: self._replay_noisy(node, stored, noisy, grad_outputs)
+            )
+            _, clean_added = self._replay_undone(lambda: self._replay(node, grad_outputs))
+            for p, a, b in zip(self._params, noisy_added, clean_added):
+                if a is not None:
+                    self._add(acc, p, a - (0 if b is None else b))
+        else:
+            out = self._replay_noisy(node, stored, noisy, grad_outputs)
         edges, seeds = [], []
         for k, (o, base) in enumerate(zip(out, grad_inputs)):
             if o is None or base is None:
@@ -606,7 +653,6 @@ class SensitivityProbe:
         for h in self._node_handles:
             h.remove()
         self._node_handles.clear()
-        self._noise.clear()
         self._override.clear()
         self._acc.clear()
         self._sq.clear()

@@ -651,6 +651,11 @@ def get_adjacency(
                 "(pip install torch-sparse)"
             )
         raise TypeError(f"unsupported adjacency type {type(edge_index_or_adj).__name__}")
+    if not sparse_input and edge_index_or_adj.is_floating_point():
+        # PyG's own check and words: a float edge_index would be truncated into node ids
+        raise ValueError(
+            f"Expected 'edge_index' to be of integer type (got '{edge_index_or_adj.dtype}')"
+        )
     if sparse_input:
         edge_weight = None
     external = edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled()

@@ -64,19 +64,9 @@ def register_patcher(*conv_classes: type) -> Callable[[Patcher], Patcher]:
 def install_forward(
     ctl, path: str, module: nn.Module, forward: Callable, label: str = "sparse-fused"
 ) -> None:
-    """Shadow ``module.forward`` with ``forward`` on the instance; ``ctl.remove()`` restores
-    the previous state exactly (no instance attribute left behind)."""
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-
-    def undo() -> None:
-        if had:
-            module.forward = previous
-        else:
-            module.__dict__.pop("forward", None)
-
-    module.forward = forward
-    ctl.add_undo(undo)
+    """Shadow ``module.forward`` with ``forward`` on the instance (`Controller.patch_forward`:
+    ``ctl.remove()`` restores the previous state exactly) and label the module's path."""
+    ctl.patch_forward(module, forward)
     ctl.module_paths[path] = label
 
 

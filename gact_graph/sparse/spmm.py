@@ -14,15 +14,27 @@ sparse-dense product instead:
 ``reduce="mean"`` divides by the number of entries per row, as PyG's mean aggregation (rows
 without entries give 0). CUDA runs the same code (cuSPARSE CSR products); no Triton kernel is
 used here.
+
+Dtypes. The product runs in the result's dtype, except half precision on CPU, where MKL's CSR
+product has no kernel: there it runs in fp32 and the result is rounded once. The result has
+``x``'s dtype (the adjacency's values are cast to it), except under autocast: the stock path
+this replaces, PyG's ``w * x_j`` message and scatter-sum, contains no op that autocast lowers,
+so there it promotes as PyTorch does (bf16 features from an autocast ``Linear`` and fp32
+normalized GCN weights give an fp32 result) and we return that dtype. Autocast itself is kept
+off inside (`gact_graph.sparse.amp`): it would cast the CSR product's operands to bf16/fp16.
+Gradients come back in the dtypes of ``x`` and of the learnable weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gact_graph.sparse.adjacency import CompactAdjacency
+from gact_graph.sparse.amp import autocast_enabled, autocast_off
 
 __all__ = ["SpmmFunction", "spmm", "spmm_reference", "DEFAULT_CHUNK_BYTES"]
 
@@ -47,7 +59,7 @@ def spmm_reference(
     """``A @ x`` by gather / ``index_add_`` in edge chunks, accumulated in at least fp32 (the oracle
     and the fallback for dtypes the sparse library lacks)."""
     n, e = rowptr.numel() - 1, col.numel()
-    x2 = x.reshape(x.size(0), -1)
+    x2 = _rows(x)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     acc = torch.zeros(n, x2.size(1), dtype=acc_dtype, device=x.device)
     if e:
@@ -65,18 +77,32 @@ def spmm_reference(
     return acc.to(x.dtype).reshape(n, *x.shape[1:])
 
 
-def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor) -> Tensor:
-    """``A @ x`` with A = (adj structure, values): a CSR product, O(N x F + E) memory."""
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as a matrix of one row per node; unlike ``reshape(n, -1)`` it also works for a graph
+    of 0 nodes (stock PyG returns an empty output there)."""
+    return x.reshape(x.size(0), math.prod(x.shape[1:]))
+
+
+def _result_dtype(x: Tensor, values: Tensor | None) -> torch.dtype:
+    """``x``'s dtype; under autocast, what PyG's ``w * x_j`` message promotes to."""
+    if values is not None and autocast_enabled(x.device):
+        return torch.promote_types(x.dtype, values.dtype)
+    return x.dtype
+
+
+def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``A @ x`` with A = (adj structure, values) as a ``dtype`` tensor: a CSR product,
+    O(N x F + E) memory."""
     n = adj.num_nodes
-    x2 = x.reshape(x.size(0), -1)
+    x2 = _rows(x)
     if adj.num_edges == 0 or x2.size(1) == 0:
-        return x.new_zeros((n, *x.shape[1:]))
-    dtype = x.dtype
+        return x.new_zeros((n, *x.shape[1:]), dtype=dtype)
     compute = dtype
     if x.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         compute = torch.float32  # MKL's CSR product has no half kernels on CPU
     a = adj.to_torch_csr(values, dtype=compute)
-    out = torch.sparse.mm(a, x2.to(compute)).to(dtype)
+    with autocast_off(x.device):
+        out = torch.sparse.mm(a, x2.to(compute)).to(dtype)
     if x.dim() != 2:
         # a fresh tensor, not a view: callers (GCN2Conv) modify the output in place
         out = out.reshape(n, *x.shape[1:]).clone()
@@ -101,7 +127,7 @@ class SpmmFunction(torch.autograd.Function):
         values = adj.weight if weight is None else weight
         if values is not None and values.numel() != adj.num_edges:
             raise ValueError("weight must hold one value per edge (CSR order)")
-        out = _csr_mm(adj, values, x)
+        out = _csr_mm(adj, values, x, _result_dtype(x, values))
         if reduce == "mean":
             out = out / adj.degree().clamp(min=1).to(out.dtype).view(-1, *[1] * (x.dim() - 1))
 
@@ -110,7 +136,7 @@ class SpmmFunction(torch.autograd.Function):
         ctx.adj, ctx.reduce, ctx.chunk_bytes = adj, reduce, chunk_bytes
         ctx.need_x, ctx.need_w = need_x, need_w
         ctx.has_weight = weight is not None
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         saved: list[Tensor] = []
         if need_x or need_w:
             if need_x:
@@ -135,7 +161,7 @@ class SpmmFunction(torch.autograd.Function):
         k = ctx.n_adj
         weight = saved[k] if ctx.has_weight else None
         x = saved[k + 1] if ctx.need_w else None
-        g = grad_out.reshape(grad_out.size(0), -1)
+        g = _rows(grad_out)
         if ctx.reduce == "mean":
             g = g / adj.degree().clamp(min=1).to(g.dtype).unsqueeze(-1)
 
@@ -147,9 +173,9 @@ class SpmmFunction(torch.autograd.Function):
             else:
                 t_perm = adj.transpose_perm()
                 t_values = weight if t_perm is None else weight[t_perm]
-            grad_x = _csr_mm(at, t_values, g).reshape(ctx.x_shape)
+            grad_x = _csr_mm(at, t_values, g, g.dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.need_w:
-            grad_w = _edge_dot(adj, g, x.reshape(x.size(0), -1), ctx.chunk_bytes)
+            grad_w = _edge_dot(adj, g, _rows(x), ctx.chunk_bytes)
             grad_w = grad_w.to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
@@ -184,6 +210,4 @@ def spmm(
         chunk_bytes = DEFAULT_CHUNK_BYTES
         if config is not None:
             chunk_bytes = int(config.extra.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
-    if weight is not None and weight.dtype != x.dtype and not weight.requires_grad:
-        weight = weight.to(x.dtype)
     return SpmmFunction.apply(x, weight, adj, reduce, chunk_bytes)

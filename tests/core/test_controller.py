@@ -366,7 +366,7 @@ def test_double_backward_through_quantized_tensor_raises():
     x = torch.randn(512, 64, requires_grad=True)
     with compress_gnn(model, bits=4, min_numel=0):
         y = model(x).sum()
-        with pytest.raises(RuntimeError, match="double backward"):
+        with pytest.raises(RuntimeError, match="bits=None, pointwise=False, sparse=False"):
             torch.autograd.grad(y, x, create_graph=True)
 
 
@@ -508,3 +508,70 @@ def test_sparse_saved_tensors_count_their_index_and_value_bytes(layout):
     x = torch.randn(n, 4, requires_grad=True)
     stats = saved_bytes_stats(Prop(), lambda: Prop()(x * 1.0))
     assert stats["total"]["orig_bytes"] < 10 * view_bytes(adj) + x.numel() * 4 * 4
+
+
+class _Interrupted(nn.Module):
+    """Stops its forward the way Ctrl-C does, after ops that saved tensors and a pointwise op."""
+
+    def __init__(self, exc):
+        super().__init__()
+        self.lin, self.exc = nn.Linear(64, 64), exc
+
+    def forward(self, x):
+        torch.relu(self.lin(x))  # saves tensors and enters the pointwise mode
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(1), RuntimeError("boom")])
+def test_base_exception_in_forward_leaves_no_hooks_behind(exc):
+    model = nn.Sequential(nn.Linear(64, 64), _Interrupted(exc))
+    ctl = compress_gnn(model, bits=2, min_numel=0)
+    with pytest.raises(type(exc)):
+        model(torch.randn(100, 64))
+    assert not torch.overrides._get_current_function_mode_stack()  # pointwise mode left
+    # another, never compressed model trains exactly: no saved-tensor hook is left either
+    other = _mlp(seed=1)
+    x = torch.randn(50, 64)
+    other(x).sum().backward()
+    after_interrupt = other[0].weight.grad.clone()
+    other.zero_grad()
+    ctl.remove()
+    other(x).sum().backward()
+    assert torch.equal(after_interrupt, other[0].weight.grad)
+    assert "forward" not in model.__dict__
+
+
+class _Scaled(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale, self.lin = scale, nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x * self.scale)  # the Linear saves its input: ~1e300
+
+
+def test_float64_activation_beyond_fp32_range_is_kept_and_warned_about():
+    model = _Scaled(1e300).double()
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=0, pointwise=False)
+    x = torch.randn(100, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="beyond fp32's range"):
+        model(x).sum().backward()
+    kept = [r for r in ctl.stats()["tensors"] if r["kind"] == "activation" and r["bits"] is None]
+    assert kept
+    assert torch.isfinite(model.lin.weight.grad).all()
+    ctl.remove()
+
+
+def test_a_module_shared_by_two_models_is_compressed_by_one_controller_at_a_time():
+    shared = GCNConv(16, 16)
+    a = nn.ModuleList([shared, nn.Linear(16, 4)])
+    b = nn.ModuleList([nn.Linear(16, 16), shared])
+    ctl_a = compress_gnn(a, bits=2)
+    with pytest.raises(RuntimeError, match=r"module '1' \(GCNConv\) is part of another"):
+        compress_gnn(b, bits=2)
+    assert "forward" in shared.__dict__  # a's patch only, untouched by the refused attempt
+    ctl_a.remove()
+    assert "forward" not in shared.__dict__
+    ctl_b = compress_gnn(b, bits=2)  # free again once a's controller is gone
+    ctl_b.remove()
+    assert "forward" not in shared.__dict__

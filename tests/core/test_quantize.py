@@ -1,6 +1,7 @@
 """Quantization (reference path on CPU; the Triton path is compared in test_kernels_quantize)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -46,8 +47,8 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     [
         ((1823, 781), (7292, 200, 1823, 781, 4, 1)),
         ((70000, 7), (1945, 256, 70000, 7, 1, 36)),  # > 65,535 rows
-        ((5,), (1, 256, 5, 1, 1, 256)),
-        ((), (1, 256, 1, 1, 1, 256)),
+        ((5,), (1, 8, 5, 1, 1, 5)),  # a group is never larger than the tensor
+        ((), (1, 8, 1, 1, 1, 1)),
         ((3, 4, 300), (24, 152, 12, 300, 2, 1)),
         ((4, 256), (4, 256, 4, 256, 1, 1)),
         ((4, 200), (4, 200, 4, 200, 1, 1)),
@@ -343,14 +344,59 @@ def test_unbiased_and_variance_bound():
 # ---------------------------------------------------------------------------------------------
 
 
+# Offsets past 2^31 are a known bug class (int32 index arithmetic in peers' kernels). The
+# reference quantizer's offsets are Python ints except in two places, each tested here at such
+# offsets without filling 2^31 elements: the RNG words of a range (computed in int32 pieces) and
+# the cut into blocks. The full-size run (about 10 s and 3 GB on CPU) runs where a GPU is, and
+# on CPU with GACT_GRAPH_FULL_SIZE=1.
+BIG_ROWS, BIG_COLS = 509003, 4219  # 2**31 + 9 elements, 17 groups of 256 (248) per row
+
+
+@pytest.mark.parametrize("start", [2**31 - 5, 2**32 - 3, 2**32 + 2**31 - 1, 2**40 - 2])
+def test_rng_range_words_past_2_pow_31_match_the_int64_reference(start):
+    from gact_graph.kernels.rng import uniform_bits_range_, uniform_bits_to_float
+
+    h = uniform_bits_range_(torch.empty(4099, dtype=torch.int32), 7, start)
+    offsets = torch.arange(start, start + 4099, dtype=torch.int64)
+    assert torch.equal(uniform_bits_to_float(h), uniform_reference(7, offsets))
+
+
+def test_blocks_cover_every_group_of_a_tensor_past_2_pow_31_once():
+    layout = group_layout((BIG_ROWS, BIG_COLS), 256)
+    assert layout.rows * layout.cols == 2**31 + 9
+    assert (layout.groups_per_row, layout.group_size) == (17, 256)
+    chunk = 1 << 20
+    next_group, blocks = 0, 0
+    for blk in kq._blocks(layout, chunk):
+        assert blk.first == next_group  # in order, no gap, no overlap
+        assert blk.count * layout.group_size <= chunk
+        r0, c0 = divmod(blk.first, layout.groups_per_row)
+        assert (blk.r0, blk.c0) == (r0, 0) and blk.r1 > blk.r0
+        assert blk.count == (blk.r1 - blk.r0) * layout.groups_per_row
+        next_group += blk.count
+        blocks += 1
+    assert next_group == layout.num_groups and blocks > 1
+    assert (layout.num_groups - 1) * layout.group_size > 2**31  # the offsets did pass 2^31
+
+
+def _full_size_devices():
+    devices = ["cuda"] if torch.cuda.is_available() else []
+    if os.environ.get("GACT_GRAPH_FULL_SIZE") == "1":
+        devices.append("cpu")
+    return devices or [pytest.param("cpu", marks=pytest.mark.skip(reason=(
+        "full size runs on a GPU or with GACT_GRAPH_FULL_SIZE=1; the two tests above cover "
+        "the offsets past 2^31 cheaply")))]  # fmt: skip
+
+
 @pytest.mark.slow
-def test_more_than_2_pow_31_elements():
+@pytest.mark.parametrize("device", _full_size_devices())
+def test_more_than_2_pow_31_elements(device):
     """fp16 (509003, 4219) = 2**31 + 9 elements, as an overlapping strided view of 513k
     values (x[r, c] = base[r + c]) so it costs 1 MB of input instead of 4.3 GB; the quantizer
     still processes every element and the packed output (277 MB at 1 bit) is real."""
-    rows, cols, bits, seed = 509003, 4219, 1, 99
+    rows, cols, bits, seed = BIG_ROWS, BIG_COLS, 1, 99
     torch.manual_seed(0)
-    base = (torch.randn(rows + cols - 1) * 3).half()
+    base = (torch.randn(rows + cols - 1) * 3).half().to(device)
     x = base.as_strided((rows, cols), (1, 1))
     assert x.numel() == 2**31 + 9
     q = quantize(x, bits, seed=seed)
@@ -364,10 +410,43 @@ def test_more_than_2_pow_31_elements():
     past_2_31 = 2**31 // 256 + 1  # first group whose offsets exceed 2^31
     for grp in [0, 1, 16, 17, past_2_31, past_2_31 + 16, lay.num_groups - 1]:
         r, j = divmod(grp, 17)
-        vals = x[r, j * 256 : (j + 1) * 256].float()
+        vals = x[r, j * 256 : (j + 1) * 256].float().cpu()
         lo_b, s = q.meta[grp].float().tolist()
         assert lo_b <= vals.min().item() and lo_b + s >= vals.max().item()
         off = torch.arange(vals.numel()) + grp * 256
         want = ((vals - lo_b) / s + uniform_reference(seed, off)).floor().clamp(0, 1)
-        got = unpack_bits(q.packed[grp * bpg : (grp + 1) * bpg], bits, vals.numel())
+        got = unpack_bits(q.packed[grp * bpg : (grp + 1) * bpg].cpu(), bits, vals.numel())
         assert torch.equal(got, want.to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_fp16_near_its_maximum_dequantizes_finite(bits):
+    # without the clamp, 200/200 seeds at 2 bits (176/200 at 8) gave inf for max |x| = 65504
+    torch.manual_seed(0)
+    x = ((torch.rand(32, 256) * 2 - 1) * 65504).half()
+    x[:, 0] = 65504
+    x[7, 9] = float("nan")  # a non-finite group still comes back NaN
+    for s in range(50):
+        y = quantize(x, bits, seed=s).dequantize()
+        assert torch.isnan(y[7]).all()
+        finite = torch.cat([y[:7], y[8:]])
+        assert torch.isfinite(finite).all() and finite.abs().max() <= 65504
+
+
+@pytest.mark.parametrize("group_size", [2**13, 2**22])
+def test_a_group_is_never_larger_than_the_tensor(group_size):
+    # a (100, 64) tensor with G = 2^22 used to be one group padded to 4M elements: 41x the input
+    x = torch.randn(100, 64)
+    q = quantize(x, 2, group_size=group_size, seed=0)
+    assert q.layout.num_groups == 1 and q.layout.group_size == 100 * 64
+    assert q.nbytes == 100 * 64 * 2 // 8 + 4
+    assert torch.equal(q.dequantize().isfinite(), torch.ones_like(x, dtype=torch.bool))
+
+
+def test_float64_beyond_fp32_range_raises_instead_of_nan():
+    x = torch.randn(300, 8, dtype=torch.float64)
+    x[3, 1] = 1e300
+    with pytest.raises(ValueError, match="beyond fp32's range"):
+        quantize(x, 2)
+    x[3, 1] = float("inf")  # non-finite is not a range problem: its group comes back NaN
+    assert quantize(x, 2, seed=0).dequantize()[3].isnan().all()

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
+import sys
+import types
+import zipfile
 from collections import defaultdict
 
 import numpy as np
@@ -12,7 +16,7 @@ import pytest
 import torch
 from torch_geometric.utils import is_undirected
 
-from gact_graph.datasets import DatasetNotFoundError, load_dataset
+from gact_graph.datasets import DatasetNotFoundError, ProcessedDataError, load_dataset
 
 sp = pytest.importorskip("scipy.sparse")
 
@@ -102,3 +106,69 @@ def test_planetoid_missing_files_raise_clear_error(tmp_path):
         load_dataset("citeseer", root=tmp_path)
     assert os.path.join(str(tmp_path), "CiteSeer", "raw", "ind.citeseer.graph") in str(err.value)
     assert not (tmp_path / "CiteSeer").exists()
+
+
+def _copy_cora_raw(cora_root, root):
+    shutil.copytree(cora_root / "Cora" / "raw", root / "Cora" / "raw")
+    return root
+
+
+@pytest.mark.parametrize("cogdl_first", [True, False], ids=["cogdl-first", "ours-first"])
+def test_cogdl_and_our_loader_share_one_root(cora_root, tmp_path, cogdl_first):
+    """The README's command and every example of docs/integrations.md use one root: CogDL's
+    ``CoraDataset`` and ``load_dataset("cora")`` each keep their own processed file there and
+    read it back, whichever ran first."""
+    pytest.importorskip("cogdl")
+    from cogdl.datasets.planetoid_data import CoraDataset
+
+    import gact_graph.integrations.cogdl  # noqa: F401  (CogDL 0.6 shims, as the docs import it)
+
+    root = _copy_cora_raw(cora_root, tmp_path)
+
+    def ours():
+        return load_dataset("cora", root=root).num_nodes
+
+    def cogdl():
+        return CoraDataset(data_path=str(root)).data.num_nodes
+
+    first, second = (cogdl, ours) if cogdl_first else (ours, cogdl)
+    assert [first(), second(), first()] == [2708] * 3  # the third run reads its cached file
+    assert (root / "Cora" / "processed_gact_graph" / "data.pt").is_file()
+
+
+def _write_foreign(path, kind: str) -> None:
+    """A ``data.pt`` that PyG's ``Planetoid`` did not write, one per way reading it fails."""
+    if kind == "another object":  # what a CogDL processed file loads as: not PyG's tuple
+        torch.save({"x": torch.zeros(2, 3)}, path)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "not a torch file":
+        path.write_bytes(b"processed by something else")
+    elif kind == "broken archive":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("archive/data.pkl", b"truncated")
+    else:  # a pickled class whose package is not installed here
+        name = "_gact_graph_test_absent_module"
+        module = types.ModuleType(name)
+        exec("class Graph:\n    pass", module.__dict__)
+        sys.modules[name] = module
+        try:
+            torch.save(module.Graph(), path)
+        finally:
+            del sys.modules[name]
+
+
+@pytest.mark.filterwarnings("ignore:Weights only load failed")  # PyG retries unsafely, warns
+@pytest.mark.parametrize(
+    "kind", ["another object", "empty", "not a torch file", "broken archive", "absent class"]
+)
+def test_foreign_processed_file_names_the_folder_to_delete(cora_root, tmp_path, kind):
+    root = _copy_cora_raw(cora_root, tmp_path)
+    folder = root / "Cora" / "processed_gact_graph"
+    folder.mkdir()
+    _write_foreign(folder / "data.pt", kind)
+    with pytest.raises(ProcessedDataError, match="Delete the folder") as err:
+        load_dataset("cora", root=root)
+    assert repr(str(folder)) in str(err.value)
+    shutil.rmtree(folder)  # what the message says to do
+    assert load_dataset("cora", root=root).num_nodes == 2708

@@ -58,7 +58,7 @@ def test_doc_example_trains_like_stock(cora_root, cora, doc_example, tmp_path, m
     monkeypatch.chdir(tmp_path)  # the example's CSVLogger writes ./logs
     code = doc_example("lightning")
     for old, new in [
-        ('root = "data/planetoid"', f"root = {str(cora_root)!r}"),
+        ('root = "data"', f"root = {str(cora_root)!r}"),
         ("epochs = 200", f"epochs = {EPOCHS}"),
     ]:
         assert old in code

@@ -36,7 +36,7 @@ def _train_stock(data, epochs=EPOCHS):
 
 def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
     code = doc_example("pyg")
-    for old, new in [('root = "data/planetoid"', f"root = {str(cora_root)!r}"),
+    for old, new in [('root = "data"', f"root = {str(cora_root)!r}"),
                      ("epochs = 200", f"epochs = {EPOCHS}")]:  # fmt: skip
         assert old in code
         code = code.replace(old, new)

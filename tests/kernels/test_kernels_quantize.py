@@ -94,6 +94,21 @@ def test_awkward_shapes_and_strides(make):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [2, 8])
+def test_fp16_near_its_maximum_stays_finite(bits):
+    # the bf16 range stored per group is rounded outward; near 65504 its top level is not an
+    # fp16 number: the kernel clamps like the reference, a NaN group stays NaN
+    g = torch.Generator().manual_seed(bits)
+    x = ((torch.rand(64, 256, generator=g) * 2 - 1) * 65504).half()
+    x[:, 0] = 65504
+    x[5, 3] = float("nan")
+    x = x.to(DEVICE)
+    assert_matches_reference(x, bits)
+    y = kq.triton_dequantize(*kq.triton_quantize(x, bits, 256, 3), bits, x.shape, x.dtype, 256)
+    assert torch.isnan(y[5]).all() and torch.isfinite(torch.cat([y[:5], y[6:]])).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("group_size", [1, 8, 64, 1000])
 def test_group_sizes(group_size):
     torch.manual_seed(2)

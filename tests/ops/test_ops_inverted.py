@@ -179,7 +179,7 @@ def test_double_backward_through_gelu_raises():
     x = torch.randn(20, requires_grad=True)
     with PointwiseMode():
         y = F.gelu(x)
-    with pytest.raises(RuntimeError, match="double backward"):
+    with pytest.raises(RuntimeError, match="bits=None, pointwise=False, sparse=False"):
         torch.autograd.grad(y.sum() + x.square().sum(), x, create_graph=True)
     (g,) = torch.autograd.grad(y.sum(), x)  # first-order backward is fine
     assert g.shape == x.shape
