@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch_geometric.typing as pyg_typing
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -47,12 +48,6 @@ _HASH_CHUNK = 1 << 20
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 _INT32_MAX = 2**31 - 1
 
-try:  # optional: torch_sparse.SparseTensor (PyG's typing module exposes a placeholder otherwise)
-    from torch_geometric.typing import WITH_TORCH_SPARSE as _WITH_TORCH_SPARSE
-    from torch_geometric.typing import SparseTensor as _SparseTensor
-except ImportError:  # pragma: no cover - PyG always has the typing module
-    _WITH_TORCH_SPARSE, _SparseTensor = False, None
-
 
 def is_torch_sparse(t: Any) -> bool:
     """A `torch.sparse` COO/CSR/CSC tensor."""
@@ -64,8 +59,9 @@ def is_torch_sparse(t: Any) -> bool:
 
 
 def is_sparse_tensor(t: Any) -> bool:
-    """A `torch_sparse.SparseTensor` (False when torch_sparse is not installed)."""
-    return bool(_WITH_TORCH_SPARSE) and _SparseTensor is not None and isinstance(t, _SparseTensor)
+    """A `torch_sparse.SparseTensor`: PyG's own test, against the class its typing module holds
+    now (a placeholder that cannot be instantiated when torch_sparse is not installed)."""
+    return isinstance(t, pyg_typing.SparseTensor)
 
 
 class CompactAdjacency:
@@ -379,14 +375,18 @@ def _identity_key(t: Tensor | None) -> tuple[tuple, list[StorageWeakRef]] | None
     the tensor has no inspectable storage."""
     if t is None:
         return ("none",), []
-    if is_torch_sparse(t):
-        parts, refs = [str(t.layout), tuple(t.shape)], []
-        if t.layout == torch.sparse_coo:
-            comps = (t._indices(), t._values())
+    if is_torch_sparse(t) or is_sparse_tensor(t):
+        if is_sparse_tensor(t):  # its CSR: rowptr (built once, cached on it), col, value
+            parts, comps = ["SparseTensor", tuple(t.sizes())], t.csr()
+        elif t.layout == torch.sparse_coo:
+            parts, comps = [str(t.layout), tuple(t.shape)], (t._indices(), t._values())
         elif t.layout == torch.sparse_csr:
+            parts = [str(t.layout), tuple(t.shape)]
             comps = (t.crow_indices(), t.col_indices(), t.values())
         else:
+            parts = [str(t.layout), tuple(t.shape)]
             comps = (t.ccol_indices(), t.row_indices(), t.values())
+        refs = []
         for c in comps:
             sub = _identity_key(c)
             if sub is None:
@@ -415,6 +415,10 @@ def _plain(t: Tensor) -> Tensor:
 def _content_key(t: Tensor | None) -> tuple:
     if t is None:
         return ("none",)
+    if is_sparse_tensor(t):
+        rowptr, col, value = t.csr()
+        sizes = tuple(t.sizes())
+        return ("SparseTensor", sizes, content_hash(rowptr), content_hash(col), content_hash(value))
     if is_torch_sparse(t):
         # Canonical: the CSR (as PyG's spmm would convert it) of the matrix.
         csr = t.detach()
@@ -560,8 +564,8 @@ def _build(
     keep_perm: bool,
 ) -> CompactAdjacency:
     with torch.no_grad():
-        if is_sparse_tensor(graph):  # torch_sparse.SparseTensor (PyG's adj_t convention)
-            if not use_values:
+        if is_sparse_tensor(graph):  # torch_sparse.SparseTensor (PyG's adj_t: row = target)
+            if not use_values:  # as SAGEConv / GINConv do
                 graph = graph.set_value(None, layout=None)
             if normalize:
                 from torch_geometric.nn.conv.gcn_conv import gcn_norm
@@ -569,17 +573,15 @@ def _build(
                 graph = gcn_norm(
                     graph, None, num_nodes, improved, add_self_loops, "source_to_target", dtype
                 )
-            elif add_self_loops:
-                import torch_sparse
-
-                if loop_mode == "replace":
-                    graph = torch_sparse.set_diag(graph)
-                else:
-                    graph = torch_sparse.fill_diag(graph, fill_value)
-            if not graph.has_value():
-                graph = graph.fill_value(1.0, dtype=dtype or torch.float32)
-            csr = graph.to_torch_sparse_csr_tensor()
-            return _from_torch_csr(csr, num_nodes)
+            else:
+                if not graph.has_value():
+                    graph = graph.fill_value(1.0, dtype=dtype or torch.float32)
+                if add_self_loops:  # a SparseTensor's loops are replaced (PyG: set/fill_diag)
+                    if loop_mode == "replace":
+                        graph = pyg_typing.torch_sparse.set_diag(graph)
+                    else:
+                        graph = pyg_typing.torch_sparse.fill_diag(graph, fill_value)
+            return _from_torch_csr(graph.to_torch_sparse_csr_tensor(), num_nodes)
         if is_torch_sparse(graph):
             csr = _pyg_sparse(
                 graph.detach(), num_nodes, add_self_loops, normalize, improved, fill_value,
@@ -629,7 +631,9 @@ def get_adjacency(
         fill_value: self-loop weight without normalization.
         loop_mode: ``"remaining"`` (GCN: `add_remaining_self_loops`; an existing self-loop
             keeps its weight) or ``"replace"`` (GAT: `remove_self_loops` + `add_self_loops`).
-            Without edge weights both give the same edges in the same order.
+            Without edge weights both give the same edges in the same order. A
+            ``SparseTensor``'s self-loops are replaced in both modes, as PyG's ``set_diag`` /
+            ``fill_diag`` replace them.
         dtype: dtype of the normalized weights (the features' dtype, as PyG passes it).
         use_values: False drops a sparse matrix's values (SAGE/GIN with ``SparseTensor``).
         keep_perm: keep ``perm`` (CSR position -> PyG edge position); it is kept anyway with

@@ -11,12 +11,37 @@ the weighted aggregation) is one `torch.autograd.Function` that saves
   the patcher asks the controller to keep them lossless, since a softmax of quantized logits
   would be far off),
 - the destination-sorted CSR adjacency (shared by every layer, stored once),
-- for attention dropout: nothing but an integer seed, from which backward regenerates the mask.
+- for attention dropout: the state of the default generator before the draw (a few KiB),
+  from which backward regenerates the mask.
 
 Backward recomputes the edge logits, the softmax and the dropout mask (E x H, transient), and
 runs the gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists: each
 chunk's temporaries (at most three chunk x H x C tensors alive at once) total at most
 ``chunk_bytes`` (64 MiB by default).
+
+**Attention dropout is stock's.** PyG draws ``F.dropout(alpha, p, training)`` on the E x H
+coefficients in its own edge order (the input edges, self-loops removed, then one self-loop
+per node appended). The Functions draw the very same way on the default generator of the
+device (CPU: ``empty_like(alpha).bernoulli_(1 - p).div_(1 - p)``, as ATen's ``_dropout_impl``;
+CUDA: ``native_dropout``, the fused kernel ATen picks there) into a fresh E x H tensor of
+alpha's dtype in that order, and reorder it to CSR order with the adjacency's ``perm``. So the
+mask, the output and the generator's state afterwards equal stock's under the same seed.
+Backward replays the draw from the saved state (CPU: on a private generator; CUDA: on the
+default one, the caller's state restored after), so the caller's RNG stream is never touched.
+While a CUDA graph is being captured the state cannot be replayed, so the bool mask itself is
+saved (1 bit per element once the controller packs it).
+
+**Why the logits come from the layer's input.** Stock computes ``a_src = <W h_i, att_src>``
+from the projected features ``x' = W h``. Here that would multiply two uses of the one
+quantized ``x'`` in the gradient of ``att_src`` (``sum_i grad_a_src[i] * x'_i``, where
+``grad_a_src`` itself is linear in the quantized ``x'`` through the aggregation): its
+expectation gains the rounding variance of ``x'`` and the gradient is biased (measured at 2
+bits: the error of the mean over seeds 7-12 times its standard error, R = 50-150 in the
+statistic of tests/benchmarks/test_scale_deep.py). The patcher computes the same logits as
+``h @ (W^T att)``: ``h`` is the projection's own saved input, rounded independently of ``x'``
+(or exact), so every gradient is a product of independent unbiased factors. Same values up to
+float rounding, no extra saved tensor but the H x F_in matrix ``W^T att``. A `GATConv` whose
+projection is not a bias-free ``Linear`` (replaced by the user) takes PyG's path.
 
 GAT's backward is linear in the saved ``x'`` (the softmax comes from the lossless logits), so
 with stochastic rounding its gradient stays unbiased. GATv2 (``a(W x_i + W x_j)``) has no
@@ -27,6 +52,11 @@ them more bits). Both backwards are ``once_differentiable`` (no double backward)
 
 Everything here is plain PyTorch (CPU and CUDA). There is no Triton kernel for the edge stage
 yet; the chunked path is the reference and the only implementation.
+
+Under autocast the Functions behave like PyG's edge stage, which holds no op that autocast
+lowers: the projections arrive in bf16/fp16 from autocast's ``Linear``, the logits and the
+softmax are computed in fp32 and the output promotes like PyG's ``alpha * x_j`` (fp32). A
+``backward()`` called inside the autocast region runs in the same dtypes (`gact_graph.sparse.amp`).
 """
 
 from __future__ import annotations
@@ -35,9 +65,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.nn.parameter import is_lazy
 from torch_geometric.nn import GATConv, GATv2Conv
+from torch_geometric.nn.dense.linear import Linear as PygLinear
 
 from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.amp import autocast_off
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 
 __all__ = [
@@ -48,7 +81,6 @@ __all__ = [
     "gatv2_attention",
     "gat_attention_reference",
     "gatv2_attention_reference",
-    "attention_keep_mask",
     "csr_destinations",
     "edge_chunk_size",
 ]
@@ -87,22 +119,78 @@ def csr_destinations(rowptr: Tensor, num_edges: int) -> Tensor:
     return marks[:num_edges].cumsum_(0)
 
 
-def draw_seed() -> int:
-    """A dropout seed from PyTorch's default CPU generator (so `torch.manual_seed` makes a run
-    reproducible)."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return torch.default_generator
 
 
-def attention_keep_mask(seed: int, shape: tuple[int, ...], p: float, device) -> Tensor:
-    """The attention-dropout keep mask (True = kept) regenerated from ``seed``: the same
-    seed, shape and device always give the same mask, in forward and in backward."""
+def _scaled_mask(mask: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """``native_dropout``'s multiplier: the kept entries times ``1 / (1 - p)``."""
+    return mask.to(dtype).mul_(1.0 / (1.0 - p))
+
+
+def _draw_dropout(p: float, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+    """Stock ``F.dropout(alpha, p, True)``'s draw for an alpha of ``shape`` and ``dtype``, on the
+    default generator (``0 < p < 1``, nonempty): ``(multiplier, what regenerates it)``."""
+    gen = _default_generator(device)
+    if device.type == "cuda":
+        capturing = torch.cuda.is_current_stream_capturing()
+        state = None if capturing else gen.get_state()
+        _, mask = torch.native_dropout(torch.empty(shape, dtype=dtype, device=device), p, True)
+        return _scaled_mask(mask, p, dtype), mask if capturing else state
+    state = gen.get_state()
+    noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p)
+    return noise.div_(1 - p), state
+
+
+def _redraw_dropout(
+    p: float, saved: Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """The multiplier of `_draw_dropout` again, from what it saved; the caller's generator
+    state is left as it was."""
+    if saved.dtype == torch.bool:  # the mask itself (drawn during CUDA graph capture)
+        return _scaled_mask(saved, p, dtype)
+    if device.type == "cuda":  # native_dropout takes no generator: swap the state in and out
+        gen = _default_generator(device)
+        caller = gen.get_state()
+        gen.set_state(saved)
+        try:
+            _, mask = torch.native_dropout(torch.empty(shape, dtype=dtype, device=device), p, True)
+        finally:
+            gen.set_state(caller)
+        return _scaled_mask(mask, p, dtype)
     gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    return torch.rand(shape, generator=gen, device=device) >= p
+    gen.set_state(saved)
+    noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=gen)
+    return noise.div_(1 - p)
 
 
-def _dropout_scale(p: float) -> float:
-    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+def _attention_dropout(
+    p: float,
+    num_edges: int,
+    heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    perm: Tensor | None,
+    saved: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(multiplier of alpha in CSR order or None, what to save)`` for attention dropout ``p``
+    as stock draws it: on an E x H alpha of ``dtype`` in stock's edge order (``perm``: CSR
+    position -> stock position; None: the same order). ``saved``: replay in backward."""
+    if p == 0.0 or num_edges * heads == 0:  # ATen returns alpha itself: nothing drawn
+        return None, None
+    if p == 1.0:  # ATen multiplies by a zero scalar: nothing drawn either
+        return torch.zeros((), dtype=dtype, device=device), None
+    shape = (num_edges, heads)
+    if saved is None:
+        noise, saved = _draw_dropout(p, shape, dtype, device)
+    else:
+        noise = _redraw_dropout(p, saved, shape, dtype, device)
+    if perm is not None:
+        noise = noise.index_select(0, perm)
+    return noise, saved
 
 
 def _segment_softmax(logit: Tensor, dst: Tensor, num_dst: int) -> Tensor:
@@ -131,14 +219,6 @@ def _leaky_relu_slope(pre: Tensor, negative_slope: float, dtype: torch.dtype) ->
     return torch.full(pre.shape, negative_slope, dtype=dtype, device=pre.device).masked_fill_(
         pre > 0, 1.0
     )
-
-
-def _apply_dropout(alpha: Tensor, p: float, seed: int | None) -> tuple[Tensor, Tensor | None]:
-    """(alpha after attention dropout, keep mask or None)."""
-    if p <= 0.0:
-        return alpha, None
-    keep = attention_keep_mask(seed, tuple(alpha.shape), p, alpha.device)
-    return alpha * keep * _dropout_scale(p), keep
 
 
 def _aggregate(
@@ -188,19 +268,17 @@ def _aggregate_backward(
     return grad_x, grad_beta
 
 
-def _unpack_seed(p: float, seed: int | None) -> int | None:
-    if p > 0.0 and seed is None:
-        raise ValueError("attention dropout > 0 needs a seed (see draw_seed)")
-    return seed
-
-
-def _check_common(x: Tensor, rowptr: Tensor, col: Tensor, p: float) -> None:
+def _check_common(x: Tensor, rowptr: Tensor, col: Tensor, p: float, perm: Tensor | None) -> None:
     if x.dim() != 3:
         raise ValueError(f"projected features must be N x H x C, got shape {tuple(x.shape)}")
     if rowptr.dim() != 1 or col.dim() != 1:
         raise ValueError("rowptr and col must be 1-D (destination-sorted CSR)")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout must be in [0, 1], got {p}")
+    if perm is not None and perm.shape != col.shape:
+        raise ValueError("perm must hold one position per edge")
+    if 0.0 < p < 1.0 and x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attention dropout runs on CPU and CUDA only, not {x.device.type}")
 
 
 # ---------------------------------------------------------------------------- GAT
@@ -216,61 +294,65 @@ def _gat_logits(
 class GatAttentionFunction(torch.autograd.Function):
     """The edge stage of `GATConv` on a destination-sorted CSR.
 
-    ``forward(x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes)``:
+    ``forward(x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, perm, chunk_bytes)``:
     ``x_src`` N_src x H x C projected source features, ``a_src`` N_src x H and ``a_dst``
     N_dst x H (or None) node logits, ``rowptr`` (N_dst + 1) and ``col`` (E, source of each edge)
-    the CSR, ``dropout`` the attention-dropout probability (0 outside training) with its
-    ``seed``. Returns N_dst x H x C: ``out[i] = sum_j dropout(softmax_j(leaky_relu(a_src[j] +
-    a_dst[i]))) * x_src[j]``. Saves ``x_src``, ``a_src``, ``a_dst``, ``rowptr``, ``col``.
+    the CSR, ``dropout`` the attention-dropout probability (0 outside training), drawn as
+    stock's ``F.dropout`` on the default generator in the edge order that ``perm`` (CSR position
+    -> stock position, or None for CSR order) gives. Returns N_dst x H x C: ``out[i] = sum_j
+    dropout(softmax_j(leaky_relu(a_src[j] + a_dst[i]))) * x_src[j]``. Saves ``x_src``,
+    ``a_src``, ``a_dst``, ``rowptr``, ``col``, ``perm`` and the generator state of the draw.
     """
 
     @staticmethod
-    def forward(ctx, x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes):
-        _check_common(x_src, rowptr, col, dropout)
-        seed = _unpack_seed(dropout, seed)
+    def forward(ctx, x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
+        _check_common(x_src, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_src.shape[1:]
-        acc = _acc_dtype(torch.promote_types(x_src.dtype, a_src.dtype))
+        # PyG's alpha and message alpha * x_j promote (bf16 features, fp32 logits: fp32).
+        out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
+        acc = _acc_dtype(out_dtype)
         chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, chunk_bytes)
         dst = csr_destinations(rowptr, num_edges)
         logit = _gat_logits(a_src, a_dst, col, dst, acc)
         alpha = _segment_softmax(F.leaky_relu(logit, negative_slope), dst, num_dst)
         del logit
-        beta, _ = _apply_dropout(alpha, dropout, seed)
-        del alpha
+        noise, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_src.device, perm)
+        beta = alpha if noise is None else alpha.mul_(noise)
+        del alpha, noise
         out = _aggregate(x_src, beta, col, dst, num_dst, chunk)
 
-        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col)
+        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, perm, state)
         ctx.negative_slope = float(negative_slope)
         ctx.dropout = float(dropout)
-        ctx.seed = seed
         ctx.chunk_bytes = int(chunk_bytes)
-        # PyG's message alpha * x_j promotes (e.g. bf16 features, fp32 logits under autocast).
-        return out.to(torch.promote_types(x_src.dtype, a_src.dtype))
+        return out.to(out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x_src, a_src, a_dst, rowptr, col = ctx.saved_tensors
+        x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_src.shape[1:]
-        acc = _acc_dtype(torch.promote_types(x_src.dtype, a_src.dtype))
+        out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
+        acc = _acc_dtype(out_dtype)
         chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes)
         dst = csr_destinations(rowptr, num_edges)
 
         # Recompute the edge stage (E x H, transient).
         logit = _gat_logits(a_src, a_dst, col, dst, acc)
         alpha = _segment_softmax(F.leaky_relu(logit, ctx.negative_slope), dst, num_dst)
-        beta, keep = _apply_dropout(alpha, ctx.dropout, ctx.seed)
+        noise, _ = _attention_dropout(
+            ctx.dropout, num_edges, heads, out_dtype, x_src.device, perm, state
+        )
+        beta = alpha if noise is None else alpha * noise
 
         grad_x, grad_beta = _aggregate_backward(x_src, beta, grad_out, col, dst, chunk, need_x)
         del beta
         grad_a_src = grad_a_dst = None
         if need_src or need_dst:
-            grad_alpha = grad_beta
-            if keep is not None:
-                grad_alpha = grad_alpha.mul_(keep).mul_(_dropout_scale(ctx.dropout))
+            grad_alpha = grad_beta if noise is None else grad_beta.mul_(noise)
             grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
             del alpha, grad_alpha, grad_beta
             _leaky_relu_backward_(grad_logit, logit, ctx.negative_slope)
@@ -295,15 +377,12 @@ def gat_attention(
     col: Tensor,
     negative_slope: float = 0.2,
     dropout: float = 0.0,
-    seed: int | None = None,
+    perm: Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Tensor:
-    """`GatAttentionFunction` with a fresh dropout seed drawn when ``dropout > 0`` and none is
-    given."""
-    if dropout > 0.0 and seed is None:
-        seed = draw_seed()
+    """`GatAttentionFunction.apply` with keyword defaults."""
     return GatAttentionFunction.apply(
-        x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, seed, chunk_bytes
+        x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, perm, chunk_bytes
     )
 
 
@@ -315,25 +394,27 @@ def gat_attention_reference(
     col: Tensor,
     negative_slope: float = 0.2,
     dropout: float = 0.0,
-    seed: int | None = None,
+    perm: Tensor | None = None,
 ) -> Tensor:
     """Stock-autograd oracle of `gat_attention` (materializes E x H x C; tests only)."""
     dst = csr_destinations(rowptr, col.numel())
     logit = a_src[col] if a_dst is None else a_src[col] + a_dst[dst]
     logit = F.leaky_relu(logit, negative_slope)
-    return _attend_reference(logit, x_src, col, dst, rowptr.numel() - 1, dropout, seed)
+    return _attend_reference(logit, x_src, col, dst, rowptr.numel() - 1, dropout, perm)
 
 
-def _attend_reference(logit, x_src, col, dst, num_dst, dropout, seed) -> Tensor:
-    """Stock-autograd softmax (PyG's formula), dropout and aggregation."""
+def _attend_reference(logit, x_src, col, dst, num_dst, dropout, perm) -> Tensor:
+    """Stock-autograd softmax (PyG's formula), ``F.dropout`` in stock's edge order, and
+    aggregation."""
     zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
     idx = dst.unsqueeze(-1).expand_as(logit)
     m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
     ex = (logit - m[dst]).exp()
     alpha = ex / (zeros.index_add(0, dst, ex) + 1e-16)[dst]
-    if dropout > 0.0:
-        alpha = alpha * attention_keep_mask(seed, tuple(alpha.shape), dropout, alpha.device)
-        alpha = alpha * _dropout_scale(dropout)
+    if perm is None:
+        alpha = F.dropout(alpha, dropout)
+    else:  # CSR edge k is stock's edge perm[k]
+        alpha = F.dropout(alpha[torch.argsort(perm)], dropout)[perm]
     msg = alpha.unsqueeze(-1) * x_src[col]
     out = torch.zeros(num_dst, *x_src.shape[1:], dtype=msg.dtype, device=msg.device)
     return out.index_add(0, dst, msg)
@@ -367,16 +448,16 @@ def _gatv2_logits(
 class GatV2AttentionFunction(torch.autograd.Function):
     """The edge stage of `GATv2Conv` on a destination-sorted CSR.
 
-    ``forward(x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes)``:
-    ``x_l`` N_src x H x C (source, also the message), ``x_r`` N_dst x H x C, ``att`` 1 x H x C.
-    Returns ``out[i] = sum_j dropout(softmax_j(<att, leaky_relu(x_l[j] + x_r[i])>)) * x_l[j]``.
-    Saves ``x_l``, ``x_r``, ``att``, ``rowptr``, ``col``.
+    ``forward(x_l, x_r, att, rowptr, col, negative_slope, dropout, perm, chunk_bytes)``:
+    ``x_l`` N_src x H x C (source, also the message), ``x_r`` N_dst x H x C, ``att`` 1 x H x C;
+    ``dropout`` and ``perm`` as in `GatAttentionFunction`. Returns ``out[i] = sum_j
+    dropout(softmax_j(<att, leaky_relu(x_l[j] + x_r[i])>)) * x_l[j]``. Saves ``x_l``, ``x_r``,
+    ``att``, ``rowptr``, ``col``, ``perm`` and the generator state of the draw.
     """
 
     @staticmethod
-    def forward(ctx, x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes):
-        _check_common(x_l, rowptr, col, dropout)
-        seed = _unpack_seed(dropout, seed)
+    def forward(ctx, x_l, x_r, att, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
+        _check_common(x_l, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_l.shape[1:]
         chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes)
@@ -384,21 +465,22 @@ class GatV2AttentionFunction(torch.autograd.Function):
         logit = _gatv2_logits(x_l, x_r, att, col, dst, negative_slope, chunk)
         alpha = _segment_softmax(logit, dst, num_dst)
         del logit
-        beta, _ = _apply_dropout(alpha, dropout, seed)
-        del alpha
+        out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
+        noise, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
+        beta = alpha if noise is None else alpha.mul_(noise)
+        del alpha, noise
         out = _aggregate(x_l, beta, col, dst, num_dst, chunk)
 
-        ctx.save_for_backward(x_l, x_r, att, rowptr, col)
+        ctx.save_for_backward(x_l, x_r, att, rowptr, col, perm, state)
         ctx.negative_slope = float(negative_slope)
         ctx.dropout = float(dropout)
-        ctx.seed = seed
         ctx.chunk_bytes = int(chunk_bytes)
-        return out.to(torch.promote_types(x_l.dtype, att.dtype))
+        return out.to(out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x_l, x_r, att, rowptr, col = ctx.saved_tensors
+        x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
         need_l, need_r, need_att = ctx.needs_input_grad[:3]
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_l.shape[1:]
@@ -410,14 +492,16 @@ class GatV2AttentionFunction(torch.autograd.Function):
         logit = _gatv2_logits(x_l, x_r, att, col, dst, slope, chunk)
         alpha = _segment_softmax(logit, dst, num_dst)
         del logit
-        beta, keep = _apply_dropout(alpha, ctx.dropout, ctx.seed)
+        out_dtype = torch.promote_types(x_l.dtype, att.dtype)
+        noise, _ = _attention_dropout(
+            ctx.dropout, num_edges, heads, out_dtype, x_l.device, perm, state
+        )
+        beta = alpha if noise is None else alpha * noise
         grad_l, grad_beta = _aggregate_backward(x_l, beta, grad_out, col, dst, chunk, need_l)
         del beta
         grad_r = grad_att = None
         if need_l or need_r or need_att:
-            grad_alpha = grad_beta
-            if keep is not None:
-                grad_alpha = grad_alpha.mul_(keep).mul_(_dropout_scale(ctx.dropout))
+            grad_alpha = grad_beta if noise is None else grad_beta.mul_(noise)
             grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
             del alpha, grad_alpha, grad_beta
             att_acc = att.reshape(1, heads, channels).to(acc)
@@ -431,8 +515,10 @@ class GatV2AttentionFunction(torch.autograd.Function):
                 z.add_(x_l.index_select(0, col[s:e]))
                 gl = grad_logit[s:e]
                 if need_att:
-                    # grad att[h, c] += sum_e grad_logit[e, h] * leaky_relu(z)[e, h, c]
-                    grad_att += torch.einsum("eh,ehc->hc", gl, F.leaky_relu(z, slope))
+                    # grad att[h, c] += sum_e grad_logit[e, h] * leaky_relu(z)[e, h, c]; a
+                    # backward() inside autocast would run this bmm in bf16/fp16 (amp.py)
+                    with autocast_off(z.device):
+                        grad_att += torch.einsum("eh,ehc->hc", gl, F.leaky_relu(z, slope))
                 # grad z = grad_logit * att * leaky_relu'(z), reusing z's buffer.
                 slope_of_z = _leaky_relu_slope(z, slope, acc)
                 torch.mul(gl.unsqueeze(-1), att_acc, out=z)
@@ -460,14 +546,12 @@ def gatv2_attention(
     col: Tensor,
     negative_slope: float = 0.2,
     dropout: float = 0.0,
-    seed: int | None = None,
+    perm: Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Tensor:
-    """`GatV2AttentionFunction` with a fresh dropout seed when ``dropout > 0`` and none given."""
-    if dropout > 0.0 and seed is None:
-        seed = draw_seed()
+    """`GatV2AttentionFunction.apply` with keyword defaults."""
     return GatV2AttentionFunction.apply(
-        x_l, x_r, att, rowptr, col, negative_slope, dropout, seed, chunk_bytes
+        x_l, x_r, att, rowptr, col, negative_slope, dropout, perm, chunk_bytes
     )
 
 
@@ -519,6 +603,18 @@ def _square_nodes(x) -> tuple[int | None, str | None]:
     return None, "x type"
 
 
+def _projections(module) -> tuple:
+    """(source, destination) projection modules of a `GATConv`."""
+    if module.lin is not None:
+        return module.lin, module.lin
+    return module.lin_src, module.lin_dst
+
+
+def _foldable(lin) -> bool:
+    """A projection whose output is ``h @ W^T`` and nothing else (the logits fold into it)."""
+    return type(lin) in (PygLinear, torch.nn.Linear) and lin.bias is None
+
+
 def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights) -> str | None:
     if return_attention_weights:
         return "return_attention_weights"
@@ -532,43 +628,55 @@ def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights
         return reason
     if size is not None and tuple(size) != (num_nodes, num_nodes):
         return "size"
+    if not all(_foldable(lin) for lin in _projections(module)):
+        return "projection is not a bias-free Linear"
+    return _dropout_reason(module, x)
+
+
+def _dropout_reason(module, x) -> str | None:
+    x_s = x if isinstance(x, Tensor) else x[0]
+    if module.training and module.dropout > 0 and x_s.device.type not in ("cpu", "cuda"):
+        return f"attention dropout on {x_s.device.type}"
     return None
 
 
-def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
-    """`GATConv.forward` (PyG 2.8.1) with the edge stage replaced by `GatAttentionFunction`."""
-    heads, channels = module.heads, module.out_channels
-    res = None
-    if isinstance(x, Tensor):
-        if module.res is not None:
-            res = module.res(x)
-        if module.lin is not None:
-            x_src = x_dst = module.lin(x).view(-1, heads, channels)
-        else:
-            x_src = module.lin_src(x).view(-1, heads, channels)
-            x_dst = module.lin_dst(x).view(-1, heads, channels)
-    else:
-        x_s, x_d = x
-        if module.res is not None:
-            res = module.res(x_d)
-        if module.lin is not None:
-            x_src = module.lin(x_s).view(-1, heads, channels)
-            x_dst = module.lin(x_d).view(-1, heads, channels)
-        else:
-            x_src = module.lin_src(x_s).view(-1, heads, channels)
-            x_dst = module.lin_dst(x_d).view(-1, heads, channels)
+def _node_logits(ctl, h: Tensor, lin, att: Tensor, dtype: torch.dtype) -> Tensor:
+    """``<lin(h)_i, att>`` per head (N x H, in ``dtype``) computed as ``h @ (W^T att)``: from
+    the projection's input, never from its (quantized) output; see the module docstring."""
+    heads, channels = att.shape[-2:]
+    if is_lazy(lin.weight):  # stock's call of this projection would initialize it
+        with torch.no_grad():
+            lin(h)
+    with autocast_off(h.device):  # stock's logits are an elementwise product: no autocast
+        compute = torch.promote_types(h.dtype, dtype)
+        w_att = (lin.weight.view(heads, channels, -1) * att.view(heads, channels, 1)).sum(1)
+        w_att = w_att.to(compute)
+        if torch.is_grad_enabled():  # H x F_in, small; rounding it would only add noise
+            ctl.keep_lossless(w_att, "activation")
+        return F.linear(h.to(compute), w_att).to(dtype)
 
-    a_src = (x_src * module.att_src).sum(dim=-1)
-    a_dst = (x_dst * module.att_dst).sum(dim=-1)
+
+def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
+    """`GATConv.forward` (PyG 2.8.1) with the edge stage replaced by `GatAttentionFunction`
+    and the node logits computed by `_node_logits`."""
+    heads, channels = module.heads, module.out_channels
+    x_s, x_d = (x, x) if isinstance(x, Tensor) else x
+    res = module.res(x_d) if module.res is not None else None
+    lin_src, lin_dst = _projections(module)
+    x_src = lin_src(x_s).view(-1, heads, channels)
+    # Stock's destination projection feeds only its logits: not computed here.
+    dtype = torch.promote_types(x_src.dtype, module.att_src.dtype)  # stock's logits' dtype
+    a_src = _node_logits(ctl, x_s, lin_src, module.att_src, dtype)
+    a_dst = _node_logits(ctl, x_d, lin_dst, module.att_dst, dtype)
     # The softmax of quantized logits would be far off and they are small (N x H): lossless.
     if torch.is_grad_enabled():  # (nothing is saved otherwise)
         ctl.keep_lossless(a_src, "activation")
         ctl.keep_lossless(a_dst, "activation")
 
-    adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops)
     p = float(module.dropout) if module.training else 0.0
+    adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops, module.dropout)
     out = gat_attention(
-        x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p,
+        x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
     out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
@@ -588,7 +696,7 @@ def _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights) ->
     if reason is not None:
         return reason
     _, reason = _square_nodes(x)
-    return reason
+    return reason or _dropout_reason(module, x)
 
 
 def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
@@ -608,10 +716,10 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
         x_l = module.lin_l(x_s).view(-1, heads, channels)
         x_r = module.lin_r(x_d).view(-1, heads, channels)
 
-    adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops)
+    adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
     p = float(module.dropout) if module.training else 0.0
     out = gatv2_attention(
-        x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
+        x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
     out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
@@ -657,9 +765,11 @@ def patch_gatv2_conv(ctl, path: str, module) -> None:
     install_forward(ctl, path, module, forward)
 
 
-def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool):
-    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop).
+def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, dropout: float):
+    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop). With
+    # attention dropout, ``perm`` puts the mask in PyG's edge order; asked for in eval mode
+    # too, so that train and eval share one cached adjacency.
     return get_adjacency(
         ctl, edge_index, num_nodes, add_self_loops=add_self_loops, normalize=False,
-        loop_mode="replace",
+        loop_mode="replace", keep_perm=dropout > 0,
     )  # fmt: skip

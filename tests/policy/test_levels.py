@@ -230,8 +230,12 @@ def test_cb1_compresses_inputs_and_recomputed():
     assert counters["recomputed_stored_bytes"] < counters["recomputed_orig_bytes"] / 3
     # the gradient stays as close to the exact one as plain L1's
     assert _rel(got, exact) < 2 * _rel(l1, exact) + 0.05
+    # the error is quantization's: it shrinks with the bits. CB1 recomputes each segment from
+    # its quantized input, so (unlike L1) the recomputed forward is off too; at 8 bits its error
+    # is 0.01-0.03 over seeds, while a recomputation with other dropout masks would give ~1
+    got4, _, _, _ = _step(model, x, ei, bits=4, opt_level="CB1")
     got8, _, _, _ = _step(model, x, ei, bits=8, opt_level="CB1")
-    assert _rel(got8, exact) < 0.02
+    assert _rel(got8, exact) < min(0.05, _rel(got4, exact) / 4)
 
 
 def test_cb1_under_no_grad_and_remove():
@@ -360,41 +364,47 @@ def test_cb1_large_graph_over_65535_nodes():
         assert torch.equal(got2[k], ref[k])
 
 
+def _held_by_forward(model, x, ei):
+    """Bytes a training forward leaves allocated on the GPU (its output and what autograd
+    saved), after one warm step so that caches built once per graph (the adjacency) exist
+    already and are not counted."""
+    model.zero_grad(set_to_none=True)
+    model(x, ei).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = model(x, ei)
+    torch.cuda.synchronize()
+    return out, torch.cuda.memory_allocated() - before
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_l2_swap_cuda_bit_exact_and_offloaded():
     dev = torch.device("cuda")
     x, ei = (t.to(dev) for t in _graph(n=20_000, f=64, e=200_000))
     model = _make("gcn", f=64).to(dev)
     ref, _, _, _ = _step(model, x, ei, bits=2)
     ctl = compress_gnn(model, bits=2, adaptive=False, opt_level="L2", swap_min_bytes=0)
-    torch.manual_seed(1)
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = model(x, ei)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before
+    out, held = _held_by_forward(model, x, ei)
     payloads = [r() for layer in ctl.level_manager._layers for r in layer]
     assert payloads and all(p.cpu.packed.is_pinned() for p in payloads)
     assert all(p.dev is None for p in payloads)
     del payloads
-    out.square().mean().backward()
+    del out
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    model(x, ei).square().mean().backward()
     torch.cuda.synchronize()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     ctl.remove()
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
     l1 = compress_gnn(model, bits=2, adaptive=False)
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = model(x, ei)
-    torch.cuda.synchronize()
-    held_l1 = torch.cuda.memory_allocated() - before
+    out, held_l1 = _held_by_forward(model, x, ei)
     del out
     l1.remove()
-    assert held < held_l1  # the compressed payloads left the GPU
+    assert held < held_l1, (held, held_l1)  # the compressed payloads left the GPU
 
 
 def _cb1_run(steps=3, state=None):

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
-from torch_geometric.typing import WITH_TORCH_SPARSE
 from torch_geometric.utils import add_remaining_self_loops, add_self_loops, remove_self_loops
 
 from gact_graph import CompressionConfig, Controller
@@ -225,12 +224,42 @@ def test_content_hash_distinguishes_and_ignores_width():
     assert content_hash(torch.zeros(4)) != content_hash(torch.zeros(2, 2))
 
 
-@pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
-def test_torch_sparse_sparsetensor_input():  # pragma: no cover - needs torch_sparse
-    from torch_sparse import SparseTensor
-
+def test_torch_sparse_sparsetensor_input(torch_sparse):
     ei, n = _awkward_graph()
-    adj_t = SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(n, n))
+    adj_t = torch_sparse.SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(n, n))  # row = target
     adj = get_adjacency(None, adj_t, n, add_self_loops=True, normalize=True)
     ref = gcn_norm(adj_t, None, n, False, True)
-    torch.testing.assert_close(_dense(adj), ref.to_dense().double())
+    row, col, value = ref.coo()
+    # Summed like every product with it sums its duplicate edges (torch_sparse's to_dense()
+    # writes one of them: 25 of these 3249 entries would differ).
+    torch.testing.assert_close(_dense(adj), _dense_from_edges(torch.stack([col, row]), value, n))
+    assert adj.num_edges == ref.nnz()
+
+
+@pytest.mark.parametrize("loop_mode, diagonal", [("replace", 1.0), ("remaining", 0.5)])
+def test_sparsetensor_self_loops_replace_the_diagonal(torch_sparse, loop_mode, diagonal):
+    """As PyG treats a SparseTensor (GATConv: set_diag, gcn_norm: fill_diag): the graph's own
+    self-loops (node 3 has two) give way to one loop per node, ``fill_value`` in "remaining"
+    mode."""
+    ei, n = _awkward_graph()
+    adj_t = torch_sparse.SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(n, n))
+    adj = get_adjacency(None, adj_t, n, add_self_loops=True, fill_value=0.5, loop_mode=loop_mode)
+    expected = _dense_from_edges(ei, None, n)
+    expected.fill_diagonal_(diagonal)
+    assert torch.equal(_dense(adj), expected)
+
+
+def test_sparsetensor_cache_by_identity_content_and_matrix(torch_sparse):
+    ctl = _ctl()
+    ei, n = _awkward_graph()
+    adj_t = torch_sparse.SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(n, n))
+    a = get_adjacency(ctl, adj_t, n, add_self_loops=False)
+    cache = ctl._gg_adjacency_cache
+    assert get_adjacency(ctl, adj_t, n, add_self_loops=False) is a and cache.hits == 1
+    copy = torch_sparse.SparseTensor(row=ei[1].clone(), col=ei[0].clone(), sparse_sizes=(n, n))
+    assert get_adjacency(ctl, copy, n, add_self_loops=False) is a
+    rowptr, col, _ = adj_t.csr()  # the same matrix, duplicate entries and all, as torch CSR
+    csr = torch.sparse_csr_tensor(rowptr, col, torch.ones(col.numel()), (n, n))
+    assert get_adjacency(ctl, csr, n, add_self_loops=False) is a
+    assert cache.builds == 2  # the CSR was built, then found equal to the SparseTensor's
+    assert torch.equal(_dense(a), _dense_from_edges(ei, None, n))

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAGEConv
-from torch_geometric.typing import WITH_TORCH_SPARSE
 
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
@@ -32,21 +31,20 @@ def _awkward_graph(n=301, e=1500, seed=0):
     return torch.cat([ei, extra], dim=1), n
 
 
-def _as_format(ei, n, fmt, values=None):
+def _as_format(ei, n, fmt, values=None, torch_sparse=None):
     if fmt == "edge_index":
         return ei
-    if fmt == "sparsetensor":
-        from torch_sparse import SparseTensor
-
-        return SparseTensor(row=ei[1], col=ei[0], value=values, sparse_sizes=(n, n))
+    if fmt == "sparsetensor":  # adj_t: row = target, col = source
+        return torch_sparse.SparseTensor(row=ei[1], col=ei[0], value=values, sparse_sizes=(n, n))
     vals = torch.ones(ei.size(1)) if values is None else values
     coo = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), vals, (n, n)).coalesce()
     return coo if fmt == "coo" else coo.to_sparse_csr()
 
 
-def _skip_missing(fmt):
-    if fmt == "sparsetensor" and not WITH_TORCH_SPARSE:
-        pytest.skip("torch_sparse is not installed")
+def _torch_sparse_for(fmt, request):
+    """The `torch_sparse` fixture (tests/fake_torch_sparse.py), for the SparseTensor format only:
+    the stand-in patches PyG for the duration of a test."""
+    return request.getfixturevalue("torch_sparse") if fmt == "sparsetensor" else None
 
 
 class Wrap(nn.Module):
@@ -110,7 +108,7 @@ def _run(model, x, adj, ew=None, x0=None, seed=1, calls=1):
     for _ in range(calls):
         torch.manual_seed(seed)
         out = model(x, adj, ew, x0)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
     inputs = [t for t in (x, x0, ew) if t is not None and t.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad((out * g).sum(), inputs + params, allow_unused=True)
@@ -127,8 +125,7 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(scale, 1.0), msg=what)
 
 
-def _compare(case, fmt, ew_mode, graph=None, seed=0):
-    _skip_missing(fmt)
+def _compare(case, fmt, ew_mode, graph=None, seed=0, torch_sparse=None):
     _, kind, takes_ew = CASES[case]
     ei, n = graph if graph is not None else _awkward_graph(seed=seed)
     g = torch.Generator().manual_seed(seed + 10)
@@ -142,7 +139,7 @@ def _compare(case, fmt, ew_mode, graph=None, seed=0):
             ew = w.requires_grad_(ew_mode == "learnable")
         else:
             values = w  # a sparse matrix carries its weights as values
-    adj = _as_format(ei, n, fmt, values)
+    adj = _as_format(ei, n, fmt, values, torch_sparse)
 
     stock = _make(case, seed)
     ours = copy.deepcopy(stock)
@@ -161,14 +158,14 @@ def _compare(case, fmt, ew_mode, graph=None, seed=0):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_lossless_equals_stock(case, fmt):
-    _compare(case, fmt, "none")
+def test_lossless_equals_stock(case, fmt, request):
+    _compare(case, fmt, "none", torch_sparse=_torch_sparse_for(fmt, request))
 
 
-@pytest.mark.parametrize("fmt", ["edge_index", "csr"])
+@pytest.mark.parametrize("fmt", ["edge_index", "csr", "sparsetensor"])
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[2]])
-def test_lossless_equals_stock_with_edge_weights(case, fmt):
-    _compare(case, fmt, "fixed")
+def test_lossless_equals_stock_with_edge_weights(case, fmt, request):
+    _compare(case, fmt, "fixed", torch_sparse=_torch_sparse_for(fmt, request))
 
 
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[2]])
@@ -345,22 +342,36 @@ def test_quantized_training_step_runs_and_stays_close():
     ctl.remove()
 
 
+def _max_err(a, ref):
+    return 0.0 if a is None else (a.double().cpu() - ref.cpu()).abs().max().item()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", ["gcn", "gcn2", "sage-mean", "appnp"])
 def test_cuda_lossless_equals_stock(case):
+    """Lossless mode on CUDA is as exact as stock PyG on CUDA is. Both are measured against
+    stock in float64 on the CPU: stock's CUDA scatter-add sums in a nondeterministic order,
+    so a fixed tolerance would either fail stock itself or hide a real error; ours may err
+    at most 4x stock's own error (plus fp32 resolution of the value's scale)."""
     _, kind, _ = CASES[case]
     ei, n = _awkward_graph(n=5000, e=40_000, seed=11)
-    ei = ei.cuda()
-    x = torch.randn(n, F_IN, device="cuda")
-    x0 = torch.randn(n, F_IN, device="cuda") if kind == "gcn2" else None
-    stock = _make(case).cuda()
+    x = torch.randn(n, F_IN, dtype=torch.float64)
+    x0 = torch.randn(n, F_IN, dtype=torch.float64) if kind == "gcn2" else None
+    stock = _make(case)
+    ref_out, ref_grads = _run(copy.deepcopy(stock).double(), x, ei, None, x0)
+    stock = stock.cuda()
     ours = copy.deepcopy(stock)
-    ref_out, ref_grads = _run(stock, x, ei, None, x0)
+    xc, x0c = x.float().cuda(), None if x0 is None else x0.float().cuda()
+    st_out, st_grads = _run(stock, xc, ei.cuda(), None, x0c)
     ctl = compress_gnn(ours, bits=None, pointwise=False)
-    out, grads = _run(ours, x, ei, None, x0)
+    out, grads = _run(ours, xc, ei.cuda(), None, x0c)
     assert ctl.module_paths["conv"] == LABEL
-    _close(out, ref_out, f"{case}/cuda: output")
-    for k in ref_grads:
-        _close(grads[k], ref_grads[k], f"{case}/cuda: grad {k}")
     ctl.remove()
+    for k, ref in [("output", ref_out), *ref_grads.items()]:
+        got, st = (out, st_out) if k == "output" else (grads[k], st_grads[k])
+        if ref is None:
+            assert got is None and st is None, k
+            continue
+        bound = 4 * _max_err(st, ref) + 1e-6 * max(ref.abs().max().item(), 1.0)
+        assert _max_err(got, ref) <= bound, f"{case}/cuda {k}: {_max_err(got, ref)} > {bound}"

@@ -213,8 +213,9 @@ def test_cuda_matches_cpu(reduce):
         )
         if wc_cpu is None:
             wc_cpu = torch.rand(adj.num_edges)
-        xd = x.to(device).requires_grad_()
-        wc = wc_cpu.to(device).requires_grad_()
+        # detached leaves on each device: `.to("cpu")` of a CPU tensor is the tensor itself
+        xd = x.to(device).detach().requires_grad_()
+        wc = wc_cpu.to(device).detach().requires_grad_()
         out = spmm(adj, xd, wc, reduce)
         out.square().sum().backward()
         results.append([t.detach().cpu() for t in (out, xd.grad, wc.grad)])
