@@ -43,6 +43,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="activation_memory.json", help="where to write results")
+    p.add_argument(
+        "--jobs", type=int, default=1,
+        help="configurations run at once (CUDA peaks are per process; on CPU the peak RSS is "
+        "per process too, but the processes share the cores)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=int, default=3600, help="seconds per configuration")
     p.add_argument(
         "--saved-only",
@@ -215,45 +221,28 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device is None:
-        import torch
+def _run_worker(args, model: str, method: str) -> dict:
+    """One (model, method) in a fresh subprocess: its RESULT row, or the error it ended with."""
+    cmd = [
+        sys.executable, __file__, "--worker", model, method, "--dataset", args.dataset,
+        "--scale", str(args.scale), "--device", args.device, "--seed", str(args.seed),
+    ] + (["--saved-only"] if args.saved_only else [])  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            r = {"model": model, "method": method, "error": " | ".join(tail)}
+        else:
+            r = json.loads(lines[-1][len("RESULT ") :])
+    except subprocess.TimeoutExpired:
+        r = {"model": model, "method": method, "error": f"timeout {args.timeout}s"}
+    r["wall_seconds"] = time.perf_counter() - t0
+    return r
 
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.worker:
-        print("RESULT " + json.dumps(run_one(args, *args.worker)), flush=True)
-        return 0
 
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise SystemExit(f"unknown methods {bad}; choose from {list(METHODS)}")
-    results = []
-    for model in models:
-        for method in methods:
-            cmd = [
-                sys.executable, __file__, "--worker", model, method, "--dataset", args.dataset,
-                "--scale", str(args.scale), "--device", args.device, "--seed", str(args.seed),
-            ] + (["--saved-only"] if args.saved_only else [])  # fmt: skip
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
-                )
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                    r = {"model": model, "method": method, "error": " | ".join(tail)}
-                else:
-                    r = json.loads(lines[-1][len("RESULT ") :])
-            except subprocess.TimeoutExpired:
-                r = {"model": model, "method": method, "error": f"timeout {args.timeout}s"}
-            r["wall_seconds"] = time.perf_counter() - t0
-            results.append(r)
-            print(f"  done {model}/{method} in {r['wall_seconds']:.0f}s", file=sys.stderr)
-
+def _write_report(args, results: list[dict]) -> None:
     import torch
 
     report = {
@@ -270,9 +259,37 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "results": results,
     }  # fmt: skip
-    print(table(results))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.worker:
+        print("RESULT " + json.dumps(run_one(args, *args.worker)), flush=True)
+        return 0
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown methods {bad}; choose from {list(METHODS)}")
+    configs = [(model, method) for model in models for method in methods]
+    results: list[dict | None] = [None] * len(configs)
+    # each configuration is its own process, so CUDA peaks never mix (the counters are per
+    # process); --jobs runs several at once: most of a run's wall time is start-up
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(_run_worker, args, *c): i for i, c in enumerate(configs)}
+        for fut in as_completed(futures):
+            r = fut.result()
+            results[futures[fut]] = r
+            print(f"  done {r['model']}/{r['method']} in {r['wall_seconds']:.0f}s", file=sys.stderr)
+            _write_report(args, [x for x in results if x is not None])  # partial runs keep rows
+    print(table(results))
     print(f"wrote {args.json}")
     return 0
 

@@ -16,8 +16,9 @@
 # (environment, each stage's command, exit code and seconds), suite.log (every stage's output)
 # and SUMMARY.md (the tables, ready for docs/results/). A stage that fails or runs out of time
 # does not stop the others. Limits are environment variables (seconds): SUITE_BUDGET (all,
-# default 560), T_QUANTIZE (40), T_MEMORY (170), T_STEP (70), T_SCALING (160), T_LARGEST
-# (110); SCALING_BUDGET_GB and LARGEST_BUDGET_GB (default 16, GACT's GPU).
+# default 560), T_QUANTIZE (40), T_MEMORY (150; MEMORY_JOBS=3 configurations at once),
+# T_STEP (70), T_SCALING (160), T_LARGEST (110); SCALING_BUDGET_GB and LARGEST_BUDGET_GB
+# (default 16, GACT's GPU).
 #
 # From a session with a GPU lent (device tool), then copy the tables into docs/results/:
 #   run(command="bash benchmarks/run_gpu_suite.sh", timeout_s=600)
@@ -35,7 +36,7 @@ STAGES="$OUTDIR/.stages.tsv"
 
 SUITE_BUDGET="${SUITE_BUDGET:-560}"
 T_QUANTIZE="${T_QUANTIZE:-40}"
-T_MEMORY="${T_MEMORY:-170}"
+T_MEMORY="${T_MEMORY:-150}"
 T_STEP="${T_STEP:-70}"
 T_SCALING="${T_SCALING:-160}"
 T_LARGEST="${T_LARGEST:-110}"
@@ -91,7 +92,7 @@ run_stage quantize "$T_QUANTIZE" \
 if grep -q -- '"--device"' benchmarks/activation_memory.py; then
     # each configuration runs in its own process (import + graph + steps); 12 of them
     run_stage memory "$T_MEMORY" \
-        "$PY" benchmarks/activation_memory.py --device "$DEV" --timeout 40 \
+        "$PY" benchmarks/activation_memory.py --device "$DEV" --timeout 60 --jobs "${MEMORY_JOBS:-3}" \
         --json "$OUTDIR/activation_memory.json" ${MEMORY_ARGS:-}
 else
     echo "== memory: benchmarks/activation_memory.py has no --device flag; skipped" | tee -a "$LOG"

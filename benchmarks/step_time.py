@@ -6,7 +6,10 @@ same initial weights; the copies then take their steps in turn (stock, L1 4-bit,
 ...: round robin, so a slow patch of the machine hits every method alike). A step is forward,
 loss on the training nodes, backward, Adam step and ``ctl.iterate(step_fn)``. Reported per
 method: median step time of the timed rounds and its ratio to stock's; on CUDA also the peak
-memory of a step (``max_memory_allocated``, reset before each step).
+memory of a step (``max_memory_allocated``, reset before each step) over *every* step, warm-ups
+included (the default adaptive mode re-plans on steps 0, 1, 3, 7, ...), and the worst step's
+peak above what was allocated before it, with its ratio to the fixed-bit method of the same
+bits (``L1-2bit``), the figure issue 13 bounds at 1.10.
 
 Examples::
 
@@ -63,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--time-budget", type=float, default=None, help="seconds in all; fewer rounds if short"
     )
+    p.add_argument("--layers", type=int, default=None, help="override the presets' depth")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/step_time.json")
@@ -76,6 +80,8 @@ def _sync(device: torch.device) -> None:
 
 def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
     cfg = preset(name, args.dataset)
+    if args.layers:
+        cfg["model"]["num_layers"] = args.layers
     torch.manual_seed(args.seed)
     base = build_model(name, data.num_features, int(data.num_classes), **cfg["model"]).to(device)
     x, edge_index, y, mask = data.x, data.edge_index, data.y, data.train_mask
@@ -93,12 +99,13 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
             return loss
 
         runs.append({"method": m, "model": model, "opt": opt, "ctl": ctl, "fn": step_fn,
-                     "times": [], "peaks": []})  # fmt: skip
+                     "times": [], "peaks": [], "step_peaks": []})  # fmt: skip
     del base
 
     def one_step(run) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            run["rest"] = torch.cuda.memory_allocated(device)
         _sync(device)
         t0 = time.perf_counter()
         run["fn"]()
@@ -124,10 +131,11 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
                 except Exception as exc:  # reported in the table, the others go on
                     errors[run["method"]] = f"{type(exc).__name__}: {exc}"
                     continue
+                if "last_peak" in run:  # every step: re-planning steps are often warm-ups
+                    run["peaks"].append(run["last_peak"])
+                    run["step_peaks"].append(run["last_peak"] - run["rest"])
                 if r >= args.warmup:
                     run["times"].append(run["last"])
-                    if "last_peak" in run:
-                        run["peaks"].append(run["last_peak"])
     rows = []
     stock = next((r for r in runs if r["method"] == "stock" and r["times"]), None)
     stock_t = statistics.median(stock["times"]) if stock else None
@@ -141,6 +149,10 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
             "step_times_s": run["times"],
             "ratio_to_stock": (t / stock_t) if t and stock_t else None,
             "peak_bytes": max(run["peaks"]) if run["peaks"] else None,
+            # per step (warm-ups included): max allocated minus what was allocated before it
+            "step_peak_bytes": run["step_peaks"],
+            "worst_step": max(range(len(run["step_peaks"])), key=run["step_peaks"].__getitem__)
+            if run["step_peaks"] else None,
             "error": errors.get(run["method"]),
         })  # fmt: skip
         if run["ctl"] is not None:
@@ -223,17 +235,29 @@ def main(argv=None) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | method | median step | x stock | peak (CUDA) | timed steps |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model | method | median step | x stock | peak (CUDA) | worst step above rest "
+        "| x fixed 2-bit | timed steps |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    fixed = {
+        r["model"]: max(r["step_peak_bytes"])
+        for r in results
+        if r["method"] == "L1-2bit" and r.get("step_peak_bytes")
+    }
     for r in results:
         t = "error" if r["error"] else "-"
         if r["median_step_s"] is not None:
             t = f"{1e3 * r['median_step_s']:.1f} ms"
         ratio = "-" if r["ratio_to_stock"] is None else f"{r['ratio_to_stock']:.2f}"
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
-        lines.append(f"| {r['model']} | {r['method']} | {t} | {ratio} | {peak} | "
-                     f"{len(r['step_times_s'])} |")  # fmt: skip
+        worst, vs_fixed = "-", "-"
+        if r.get("step_peak_bytes"):
+            w = max(r["step_peak_bytes"])
+            worst = f"{w / 2**20:,.0f} MiB (step {r['worst_step']})"
+            if fixed.get(r["model"]):
+                vs_fixed = f"{w / fixed[r['model']]:.2f}"
+        lines.append(f"| {r['model']} | {r['method']} | {t} | {ratio} | {peak} | {worst} | "
+                     f"{vs_fixed} | {len(r['step_times_s'])} |")  # fmt: skip
     return "\n".join(lines)
 
 

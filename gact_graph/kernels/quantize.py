@@ -89,7 +89,9 @@ if triton is not None:
         valid = (pos < k * W)[None, :] & (r < R) & (c < C)
         return r, c, valid
 
-    @triton.jit
+    # Triton turns an integer argument equal to 1 into a compile-time constant; a seed of 1
+    # would then reach `uniform` as a Python int and fail to compile (seen on an H100).
+    @triton.jit(do_not_specialize=["seed"])
     def _quantize_pack_kernel(
         x_ptr,
         packed_ptr,

@@ -268,13 +268,20 @@ def _group_steps(q: QTensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, lo, 0.0)[:, None], torch.where(ok, scale, 0.0)[:, None]
 
 
-def rounding_variance_factor(x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0) -> float:
+def rounding_variance_factor(
+    x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0, on: str = "x"
+) -> float:
     """How the true stochastic-rounding variance of ``x`` quantized as ``q`` compares with the
     uniform-fraction model ``step^2 / 6`` on its non-zero elements:
     ``kappa = 6 * sum(step^2 f (1 - f)) / sum(step^2 [x != 0])`` over a random sample of
     elements (``f``: fractional position between two levels). 1 for smooth data, below 1 for
     skewed groups, 0 when every value sits on a level (binary or one-hot features, which
-    stochastic rounding keeps exact). Costs ``samples`` gathers, whatever the tensor's size."""
+    stochastic rounding keeps exact). Costs ``samples`` gathers, whatever the tensor's size.
+
+    ``on="x_hat"`` gives the factor for noise drawn on the non-zeros of a *dequantized* copy
+    instead (what the replay sees): an element that rounds onto a level at 0 is zero there,
+    so the denominator counts ``P(x_hat != 0)`` instead of ``[x != 0]``; without it the
+    replay's estimate of a ReLU output at 2 bits came out a third too low."""
     n = x.numel()
     if n == 0 or q.num_groups == 0:
         return 1.0
@@ -294,7 +301,15 @@ def rounding_variance_factor(x: Tensor, q: QTensor, samples: int = 16384, seed: 
     f = u - torch.floor(u)
     ff = torch.nan_to_num(f * (1 - f), nan=0.0).clamp_(0.0, 0.25)
     st2 = torch.where(st_s > 0, st_s.square(), 0.0)
-    den = float((st2 * (xs != 0)).sum())
+    if on == "x_hat":
+        lower = lo_s + (u - f) * st_s
+        p_zero = (1 - f) * (lower == 0) + f * ((lower + st_s) == 0)
+        nonzero = torch.nan_to_num(1 - p_zero, nan=0.0).clamp_(0.0, 1.0)
+    elif on == "x":
+        nonzero = (xs != 0).float()
+    else:
+        raise ValueError(f"on must be 'x' or 'x_hat', got {on!r}")
+    den = float((st2 * nonzero).sum())
     return 6.0 * float((st2 * ff).sum()) / den if den > 0 else 1.0
 
 
@@ -315,6 +330,66 @@ def _rounding_noise(q: QTensor, x_hat: Tensor, seed: int, kappa: float = 1.0) ->
     return _ungrouped(q, eps)
 
 
+def row_rounding_variance(x: Tensor, q: QTensor, kappa: float = 1.0) -> Tensor:
+    """Per row ``i`` of the 2-D ``x`` quantized as ``q``: the summed rounding variance of its
+    elements, ``s_i = kappa * sum_j step_g(ij)^2 / 6 * [x_ij != 0]`` (fp32, shape ``(rows,)``),
+    the model `_rounding_noise` draws from. Computed in row chunks of at most ~4M elements, so
+    it never holds a tensor-sized temporary."""
+    lay = q.layout
+    rows, cols = x.shape
+    out = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    if q.num_groups == 0 or kappa <= 0 or rows == 0:
+        return out
+    _, step = _group_steps(q)
+    var = step[:, 0].float().square() * (kappa / 6.0)  # per group
+    rpg, gpr, g = lay.rows_per_group, lay.groups_per_row, lay.group_size
+    chunk = max(rpg, (1 << 22) // max(cols, 1) // rpg * rpg)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        nz = x[r0:r1] != 0
+        if rpg > 1:  # a group holds rpg whole rows
+            out[r0:r1] = (
+                nz.sum(1, dtype=torch.float32) * var[torch.arange(r0, r1, device=x.device) // rpg]
+            )
+        else:  # a row holds gpr groups of g columns
+            pad = gpr * g - cols
+            if pad:
+                nz = torch.nn.functional.pad(nz, (0, pad))
+            cnt = nz.view(r1 - r0, gpr, g).sum(2, dtype=torch.float32)
+            out[r0:r1] = (cnt * var[r0 * gpr : r1 * gpr].view(r1 - r0, gpr)).sum(1)
+        del nz
+    return out
+
+
+#: autograd nodes that pass a gradient on unchanged in norm (shape or dtype only)
+_NORM_PRESERVING = frozenset(
+    {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+     "TransposeBackward0", "PermuteBackward0", "ToCopyBackward0"}
+)  # fmt: skip
+
+
+def _matmul_param_index(node) -> int | None:
+    """For ``mm`` / ``addmm`` nodes: the position of ``mat2`` among the node's inputs when its
+    gradient reaches a parameter's ``AccumulateGrad`` through norm-preserving nodes only;
+    else ``None``."""
+    try:
+        name = node.name()
+    except Exception:  # Python Function nodes without a name
+        return None
+    k = {"MmBackward0": 1, "AddmmBackward0": 2}.get(name)
+    if k is None or len(node.next_functions) <= k:
+        return None
+    leaf = _past_norm_preserving(node.next_functions[k][0])
+    return k if getattr(leaf, "variable", None) is not None else None
+
+
+def _past_norm_preserving(fn):
+    """The first node at or below ``fn`` that is not a single-input norm-preserving node."""
+    while fn is not None and fn.name() in _NORM_PRESERVING and len(fn.next_functions) == 1:
+        fn = fn.next_functions[0][0]
+    return fn
+
+
 class SensitivityProbe:
     """Estimates :math:`c_l` for every compressed tensor of one training step, during that
     step's own backward (see the module docstring).
@@ -331,8 +406,9 @@ class SensitivityProbe:
         seed: seed of the probing noise (each tensor derives its own).
     """
 
-    def __init__(self, ctl, min_numel: int = 0, seed: int = 0) -> None:
+    def __init__(self, ctl, min_numel: int = 0, seed: int = 0, closed_form: bool = True) -> None:
         self.ctl = ctl
+        self.closed_form = closed_form
         self.min_numel = min_numel
         self.seed = seed
         self.armed = False
@@ -353,6 +429,7 @@ class SensitivityProbe:
         self._param_ids: set[int] = set()
         self._ctl_own: dict[str, Any] = {}
         self._kappa = weakref.WeakKeyDictionary()  # Stored -> rounding_variance_factor
+        self._row_var = weakref.WeakKeyDictionary()  # Stored -> per-row rounding variance
 
     # ---------------------------------------------------------------- arming
     def arm(self) -> None:
@@ -363,6 +440,7 @@ class SensitivityProbe:
         # the controller enters its saved-tensor hooks with ``self._pack`` / ``self._unpack``
         self._ctl_own = {k: ctl.__dict__[k] for k in ("_pack", "_unpack") if k in ctl.__dict__}
         inner_pack, inner_unpack = ctl._pack, ctl._unpack
+        self._ctl_unpack = inner_unpack
 
         def pack(t):
             return self._pack(t, inner_pack)
@@ -425,9 +503,12 @@ class SensitivityProbe:
         if isinstance(p, QTensor) and stored not in self._kappa:
             t0 = time.perf_counter()
             with torch.no_grad():
-                self._kappa[stored] = rounding_variance_factor(
-                    t, p, seed=_stable_seed(self.seed, stored.name, "kappa")
-                )
+                seed = _stable_seed(self.seed, stored.name, "kappa")
+                kappa = rounding_variance_factor(t, p, seed=seed)
+                # the replay draws its noise on the non-zeros of the dequantized copy
+                self._kappa[stored] = rounding_variance_factor(t, p, seed=seed, on="x_hat")
+                if self.closed_form and t.dim() == 2:  # what a matmul may read
+                    self._row_var[stored] = row_rounding_variance(t, p, kappa)
             self.seconds += time.perf_counter() - t0
         return stored
 
@@ -439,7 +520,8 @@ class SensitivityProbe:
         if not self._busy():
             reads = getattr(self._tls, "reads", None)
             if reads is not None:
-                reads.append((stored, t))
+                keep = getattr(self._tls, "keep_values", True)
+                reads.append((stored, t if keep else None, tuple(t.shape)))
         return t
 
     def _leaf_hook(self, grad_outputs):
@@ -453,9 +535,13 @@ class SensitivityProbe:
     def _pre_hook(self, node):
         python_node = not callable(node)
 
+        matmul = self.closed_form and _matmul_param_index(node) is not None
+
         def hook(grad_outputs):
             if not self._busy():
                 self._tls.reads = []
+                # a matmul's estimate is closed-form: it needs no dequantized copy kept alive
+                self._tls.keep_values = not matmul
                 # a Python node may accumulate into .grad itself (reentrant checkpoint runs a
                 # nested backward): see whether it does, so that its replay can be undone
                 self._tls.grad_state = self._grad_state() if python_node else None
@@ -481,11 +567,15 @@ class SensitivityProbe:
             try:
                 self.ran = True
                 done: set[int] = set()
-                for stored, x_hat in reads:
+                for stored, x_hat, shape in reads:
                     if id(stored) in done or not self._is_candidate(stored):
                         continue
                     done.add(id(stored))
                     try:
+                        if self._matmul_closed_form(node, stored, shape, grad_outputs):
+                            continue
+                        if x_hat is None:  # a matmul that reads it otherwise: dequantize again
+                            x_hat = self._ctl_unpack(stored)
                         self._probe(node, stored, x_hat, grad_inputs, grad_outputs, side_effects)
                     except Exception as exc:  # a node we cannot replay: say so, never break
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
@@ -512,6 +602,42 @@ class SensitivityProbe:
         )
 
     # ---------------------------------------------------------------- the estimate
+    def _matmul_closed_form(self, node, stored, shape, grad_outputs) -> bool:
+        r"""The estimate of a tensor read as ``mat1`` by ``mm``/``addmm`` whose ``mat2`` is a
+        parameter (a linear layer's input): the noise reaches that parameter's gradient as
+        :math:`\alpha\, \varepsilon^T G` and nothing else (``grad_mat1 = G\, mat2^T`` does
+        not read ``mat1``), so :math:`E\lVert\delta\rVert^2 = \alpha^2 \sum_i
+        \lVert G_i\rVert^2 s_i` exactly, with :math:`s_i` the row's rounding variance
+        (`row_rounding_variance`, taken when the tensor was packed). No replay, no partial
+        backward, no temporary larger than a row vector (ActNN's analysis of linear layers).
+        ``False`` when the node is not such a matmul: the replay estimates it."""
+        row_var = self._row_var.get(stored)
+        k = _matmul_param_index(node) if self.closed_form else None
+        if row_var is None or k is None or grad_outputs[0] is None:
+            return False
+        if k == 1:
+            mat1, mat2 = node._saved_self_sym_sizes, node._saved_mat2_sym_sizes
+        else:
+            mat1, mat2 = node._saved_mat1_sym_sizes, node._saved_mat2_sym_sizes
+        # the tensor must be mat1 (unambiguously: equal shapes could be either operand)
+        if tuple(shape) != tuple(mat1) or tuple(mat1) == tuple(mat2):
+            return False
+        if self._param_of(node, k) is None:
+            return False
+        g = grad_outputs[0]
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float32).square_()
+        energy = alpha**2 * float((g_sq.double() * row_var.double()).sum())
+        self._sq[stored.name] = self._sq.get(stored.name, 0.0) + energy
+        self._bits[stored.name] = stored.payload.bits
+        self._numel[stored.name] = stored.payload.numel()
+        self.ran = True
+        return True
+
+    def _param_of(self, node, k: int):
+        var = getattr(_past_norm_preserving(node.next_functions[k][0]), "variable", None)
+        return var if var is not None and id(var) in self._param_ids else None
+
     def _noisy(self, stored, x_hat: Tensor) -> tuple[Tensor, int]:
         """``x_hat`` plus its probing noise. Drawn again at every read from the tensor's own
         seed (the same draw each time, so the nodes reading one tensor see correlated noise),
@@ -659,11 +785,15 @@ class SensitivityProbe:
         self.armed = False
 
 
-def probe_sensitivity(ctl, step_fn: Callable[[], Any], seed: int = 0) -> dict[str, float]:
+def probe_sensitivity(
+    ctl, step_fn: Callable[[], Any], seed: int = 0, closed_form: bool = True
+) -> dict[str, float]:
     """Run ``step_fn`` once under a :class:`SensitivityProbe` and return ``{name: c_l}``
     (the convenience form for tests and benchmarks; the adaptive planner instead probes the
     user's own next training step)."""
-    probe = SensitivityProbe(ctl, min_numel=ctl.config.min_numel, seed=seed)
+    probe = SensitivityProbe(
+        ctl, min_numel=ctl.config.min_numel, seed=seed, closed_form=closed_form
+    )
     probe.arm()
     try:
         step_fn()

@@ -2,6 +2,8 @@
 running statistics) when nothing is quantized, and stable under 2-bit quantization where
 saving the raw input is not (the deep test lives in tests/test_scale_deep.py)."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,11 @@ def _inputs(shape, dtype, device, affine, seed=0):
     return x, w, b, grad.to(dtype=dtype, **to)
 
 
+def _close_rel(a, b, tol):
+    scale = b.float().abs().max().item() + 1e-12
+    return (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
 def _bn(x, w, b, rm, rv, grad, use_mode, momentum=0.1):
     saved = []
     mode = PointwiseMode()
@@ -61,12 +68,15 @@ def test_equals_pytorch_batchnorm(shape, dtype, affine, device):
     y, g, saved, counts = _bn(x, w, b, *stats[1], grad, use_mode=True)
     assert counts == {"batch_norm": 1}
     tol = TOL[dtype]
-    assert torch.equal(y, y_ref)  # the forward is PyTorch's own kernel
+    # On CPU the forward is PyTorch's own kernel, bit for bit. On CUDA stock picks cuDNN for
+    # some shapes, which does not return the normalized input; ours runs native_batch_norm.
+    same = torch.equal if device == "cpu" else partial(_close_rel, tol=tol)
+    assert same(y, y_ref)
     for got, ref in zip(g, g_ref):
         scale = ref.float().abs().max().item() + 1e-12
         assert (got.float() - ref.float()).abs().max().item() <= tol * scale
     for got, ref in zip(stats[1], stats[0]):
-        assert torch.equal(got, ref)  # running statistics updated identically
+        assert same(got, ref)  # running statistics updated identically
     # what is saved: the normalized input, per channel invstd, the weight (no raw input)
     big = [t for t in saved if t.numel() == x.numel()]
     assert len(big) == 1 and not torch.equal(big[0], x)

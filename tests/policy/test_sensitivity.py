@@ -337,3 +337,34 @@ def test_probe_steps_do_not_add_checkpointed_gradients_twice(reentrant):
         ctl.iterate()
     assert ctl.adapter.n_estimates >= 2
     assert all(math.isfinite(c) for c in ctl.adapter.c.values()) and ctl.adapter.c
+
+
+@pytest.mark.parametrize("widths", [(16, 96, 24, 8, 4), (16, 300, 600, 8, 4)])
+def test_closed_form_matmul_estimate_is_the_replays_expectation(widths):
+    """A linear layer's input is estimated in closed form (no replay, no tensor-sized
+    temporary): alpha^2 sum_i ||G_i||^2 s_i is what the replay's Rademacher draw gives in
+    expectation. Averaged over 64 draws the replay agrees within its sampling error; the
+    tensors the closed form does not cover (BatchNorm's) are estimated the same either way.
+    The second width puts 300 and 600 features in a row, so groups split rows there."""
+    torch.manual_seed(0)
+    x, ei, y = _graph(n=400, e=3000)
+    model = _WideNarrowGCN(widths).eval()  # no dropout: every run sees the same graph
+    ctl = compress_gnn(model, bits=2, adaptive=False)
+    step = _step_fn(model, x, ei, y)
+    state = torch.get_rng_state()
+    closed = probe_sensitivity(ctl, step, seed=0)
+    torch.set_rng_state(state)
+    replays = []
+    for seed in range(64):
+        torch.set_rng_state(state)
+        replays.append(probe_sensitivity(ctl, step, seed=seed, closed_form=False))
+    ctl.remove()
+    mean = {n: sum(r[n] for r in replays) / len(replays) for n in replays[0]}
+    linear = [n for n in closed if ".lin#" in n]
+    assert linear and set(closed) == set(mean)
+    for n in closed:
+        draws = torch.tensor([r[n] for r in replays], dtype=torch.float64)
+        err = 4 * draws.std().item() / math.sqrt(len(draws)) + 1e-12 * mean[n]
+        if n in linear:
+            assert abs(closed[n] - mean[n]) <= err, (n, closed[n], mean[n], err)
+        assert closed[n] > 0, n

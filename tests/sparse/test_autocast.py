@@ -352,13 +352,20 @@ def test_backward_inside_autocast_equals_outside(dtype, device):
     for name, fn, inputs in _function_cases(device, dtype):
         inputs = [t.requires_grad_() for t in inputs]
         grads = []
-        for inside in (True, False):
+        for inside in (True, False, False):
             with torch.autocast(device, dtype=dtype):
                 out = fn(*inputs)
                 if inside:
                     grads.append(torch.autograd.grad(out.float().square().sum(), inputs))
             if not inside:
                 grads.append(torch.autograd.grad(out.float().square().sum(), inputs))
-        for g_in, g_out, t in zip(*grads, inputs):
+        for g_in, g_out, g_again, t in zip(*grads, inputs):
             assert g_in.dtype == t.dtype, name
-            assert torch.equal(g_in, g_out), name
+            if device == "cpu":
+                assert torch.equal(g_in, g_out), name
+                continue
+            # CUDA's atomic scatter-adds sum in any order: two backwards outside differ by
+            # rounding already. A bf16 matmul in backward would be off by ~1e-3 relative.
+            spread = (g_out - g_again).abs().max().item()
+            scale = g_out.abs().max().item()
+            assert (g_in - g_out).abs().max().item() <= max(4 * spread, 1e-5 * scale), name

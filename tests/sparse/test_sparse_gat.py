@@ -58,7 +58,7 @@ def _run(model, x, edge_index, loss_seed=0, **kwargs):
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     out = model(x, edge_index, **kwargs)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(loss_seed))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(loss_seed)).to(out)
     (out * w).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), x.grad.clone(), grads
