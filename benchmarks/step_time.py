@@ -46,6 +46,7 @@ METHODS = {
     "L1-4bit": {"bits": 4, "adaptive": False},
     "L1-2bit": {"bits": 2, "adaptive": False},
     "L1-2bit-adaptive": {"bits": 2, "adaptive": True},
+    "L2-2bit": {"bits": 2, "adaptive": False, "opt_level": "L2"},  # swap to pinned host memory
     "lossless": {"bits": None},
 }
 

@@ -6,6 +6,7 @@ Python happens to tolerate at import time still fails here."""
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from pathlib import Path
 
@@ -166,3 +167,15 @@ def test_old_module_paths_warn_and_give_the_moved_module(old, new):
     assert mod is importlib.import_module(new)
     assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
     assert callable(gact_graph.quantize)
+
+
+def test_no_module_lowers_float32_matmul_precision():
+    """Lossless mode must be as exact as stock: no module of the package may turn on TF32 or
+    reduced-precision reductions for the user (the CUDA lossless tests check the values)."""
+    pattern = re.compile(r"allow_tf32|set_float32_matmul_precision|allow_(bf16|fp16)_reduced")
+    offenders = [
+        str(f.relative_to(PACKAGE))
+        for f in PACKAGE.rglob("*.py")
+        if pattern.search(f.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, offenders

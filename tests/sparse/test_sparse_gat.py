@@ -643,13 +643,14 @@ def test_quantized_4bit_three_layer_gat():
 # ---------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("conv_cls", [GATConv, GATv2Conv])
-def test_cuda_lossless_matches_pyg(conv_cls):
+def test_device_lossless_matches_pyg(conv_cls, device):
+    """The same body on every available device (CPU in CI)."""
     torch.manual_seed(11)
-    ei = _graph("self_loops").cuda()
-    x = torch.randn(60, 12, device="cuda")
-    conv = _randomize(conv_cls(12, 5, heads=3)).cuda()
+    ei = _graph("self_loops").to(device)
+    x = torch.randn(60, 12, device=device)
+    conv = _randomize(conv_cls(12, 5, heads=3)).to(device)
     stock, fused, paths = _stock_vs_fused(conv, x, ei)
     assert paths["<root>"] == "sparse-fused"
     _assert_same_run(stock, fused)
