@@ -19,6 +19,7 @@ import os.path as osp
 from torch_geometric.data import Data
 
 from gact_graph.datasets.info import dataset_info
+from gact_graph.datasets.lock import dataset_lock
 from gact_graph.datasets.preprocess import finalize, require_files
 
 __all__ = ["load_graphsaint", "GRAPHSAINT_DIRS", "GRAPHSAINT_RAW_FILES"]
@@ -50,7 +51,8 @@ def load_graphsaint(name: str, root: str) -> Data:
     require_files(
         info.name, base, [f"raw/{f}" for f in GRAPHSAINT_RAW_FILES], f"Get them from {_SOURCE}."
     )
-    data = _pyg_class(info.name)(base)[0]
+    with dataset_lock(base):
+        data = _pyg_class(info.name)(base)[0]
     return finalize(
         data,
         name=info.name,

@@ -18,6 +18,7 @@ import torch
 from torch_geometric.data import Data
 
 from gact_graph.datasets.info import dataset_info
+from gact_graph.datasets.lock import dataset_lock
 from gact_graph.datasets.preprocess import finalize, index_to_mask, require_files
 
 __all__ = ["load_ogbn", "ogb_required_files"]
@@ -98,7 +99,7 @@ def load_ogbn(name: str, root: str) -> Data:
         f"Get them from {url} (unzip into {root!r} and rename the folder to "
         f"{osp.basename(base)!r}).",
     )  # fmt: skip
-    with _allow_pyg_pickles():
+    with dataset_lock(base), _allow_pyg_pickles():
         dataset = PygNodePropPredDataset(info.name, root=root)
         split = dataset.get_idx_split()
     data = dataset[0]

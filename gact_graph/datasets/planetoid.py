@@ -22,6 +22,7 @@ from torch_geometric.data import Data
 from torch_geometric.datasets import Planetoid
 
 from gact_graph.datasets.info import dataset_info
+from gact_graph.datasets.lock import dataset_lock
 from gact_graph.datasets.preprocess import ProcessedDataError, finalize, require_files
 
 __all__ = ["load_planetoid", "PLANETOID_NAMES", "PROCESSED_FOLDER", "planetoid_raw_files"]
@@ -85,7 +86,8 @@ def load_planetoid(name: str, root: str, normalize_features: bool = True) -> Dat
         [f"raw/{f}" for f in planetoid_raw_files(info.name)],
         f"Get them from {_SOURCE}.",
     )
-    data = _Planetoid(root, pyg_name, split="public")[0]
+    with dataset_lock(base):
+        data = _Planetoid(root, pyg_name, split="public")[0]
     if normalize_features:
         x = data.x - data.x.min()
         data.x = x / x.sum(dim=-1, keepdim=True).clamp(min=1.0)

@@ -10,6 +10,7 @@ import sys
 import types
 import zipfile
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,3 +173,33 @@ def test_foreign_processed_file_names_the_folder_to_delete(cora_root, tmp_path, 
     assert repr(str(folder)) in str(err.value)
     shutil.rmtree(folder)  # what the message says to do
     assert load_dataset("cora", root=root).num_nodes == 2708
+
+
+def test_first_load_is_serialized_across_processes(cora_root, tmp_path):
+    """Two processes loading a fresh root at once both processed the raw files and one read the
+    other's half-written file (``--jobs 2`` of the accuracy table did). The first load now
+    holds a lock in the dataset's folder: a second process waits for it, then reads."""
+    import subprocess
+
+    from gact_graph.datasets.lock import dataset_lock
+
+    _copy_cora_raw(cora_root, tmp_path)
+    code = (
+        "import sys; from gact_graph.datasets import load_dataset; print('ready', flush=True); "
+        "print(load_dataset('cora', root=sys.argv[1]).num_nodes)"
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    )
+    processed = tmp_path / "Cora" / "processed_gact_graph"
+    with dataset_lock(str(tmp_path / "Cora")):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "ready"  # imported; now loading
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=2.0)  # blocked on the lock
+        assert not (processed.is_dir() and any(processed.iterdir()))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.split()[-1] == "2708"
