@@ -48,7 +48,8 @@ with stochastic rounding its gradient stays unbiased. GATv2 (``a(W x_i + W x_j)`
 node-level logit decomposition; its logits are computed in the same edge chunks in forward and
 recomputed in chunks in backward, so it too saves only ``x_l``, ``x_r`` (N x H x C) and the
 adjacency, but its backward is nonlinear in them: quantizing them biases its gradient (give
-them more bits). Both backwards are ``once_differentiable`` (no double backward).
+them more bits). Both backwards are differentiable once: a ``create_graph=True`` backward
+raises at once, naming the settings that support it (`differentiable_once`).
 
 Everything here is plain PyTorch (CPU and CUDA). There is no Triton kernel for the edge stage
 yet; the chunked path is the reference and the only implementation.
@@ -64,13 +65,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.nn.parameter import is_lazy
 from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import autocast_off
+from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 
 __all__ = [
@@ -329,7 +330,7 @@ class GatAttentionFunction(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
         x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
@@ -478,7 +479,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
         x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
         need_l, need_r, need_att = ctx.needs_input_grad[:3]

@@ -31,10 +31,10 @@ import math
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from gact_graph.sparse.adjacency import CompactAdjacency
 from gact_graph.sparse.amp import autocast_enabled, autocast_off
+from gact_graph.sparse.differentiable_once import differentiable_once
 
 __all__ = ["SpmmFunction", "spmm", "spmm_reference", "DEFAULT_CHUNK_BYTES"]
 
@@ -154,7 +154,7 @@ class SpmmFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("the fused sparse aggregation (sparse=True)")
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors  # unpacks (and version-checks) what the controller holds
         adj: CompactAdjacency = ctx.adj
