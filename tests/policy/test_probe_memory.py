@@ -1,0 +1,42 @@
+"""Issue 13's bound on CPU: every step of the default (adaptive) mode, probed steps included,
+peaks at most 1.10x the fixed-bit step at the same average bits. Measured as resident memory
+in a fresh process (`rss_steps.py`); on an H100 the same models give the same picture
+(`docs/results/gpu.md`)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("rss_steps.py")
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS"
+)
+
+
+def _peaks(model: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), model], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_linear_inputs_probe_within_the_fixed_bit_envelope():
+    """GCNII: every compressed tensor is a linear layer's input, estimated in closed form."""
+    p = _peaks("gcnii")
+    assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13 is open: BatchNorm inputs are still replayed on probed steps (~1.8x)",
+)
+def test_batchnorm_model_probe_within_the_fixed_bit_envelope():
+    p = _peaks("gcn")
+    assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
