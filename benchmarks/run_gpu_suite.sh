@@ -100,7 +100,7 @@ fi
 
 run_stage step_time "$T_STEP" \
     "$PY" benchmarks/step_time.py --device "$DEV" --warmup 2 --steps 10 \
-    --methods "${STEP_METHODS:-stock,L1-4bit,L1-2bit,L1-2bit-adaptive,L2-2bit}" \
+    --methods "${STEP_METHODS:-stock,L1-4bit,L1-2bit,L1-2bit-adaptive,L2-2bit,stock-amp,L1-2bit-amp}" \
     --time-budget $((T_STEP - 25)) --json "$OUTDIR/step_time.json" ${STEP_ARGS:-}
 
 run_stage scaling "$T_SCALING" \

@@ -48,7 +48,12 @@ METHODS = {
     "L1-2bit-adaptive": {"bits": 2, "adaptive": True},
     "L2-2bit": {"bits": 2, "adaptive": False, "opt_level": "L2"},  # swap to pinned host memory
     "lossless": {"bits": None},
+    # mixed precision: the step's forward under torch.autocast (bf16), backward outside it
+    "stock-amp": None,
+    "L1-2bit-amp": {"bits": 2, "adaptive": False},
 }
+#: methods whose forward runs under torch.autocast(device, dtype=torch.bfloat16)
+AMP = {"stock-amp", "L1-2bit-amp"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,9 +98,11 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
         opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
         ctl = None if METHODS[m] is None else compress_gnn(model, **METHODS[m])
 
-        def step_fn(model=model, opt=opt):
+        def step_fn(model=model, opt=opt, amp=m in AMP):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x, edge_index)[mask], y[mask])
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                out = model(x, edge_index)
+            loss = F.cross_entropy(out[mask].float(), y[mask])
             loss.backward()
             return loss
 

@@ -107,9 +107,20 @@ class StorageSet:
         return len(self._refs)
 
 
+#: autograd nodes of views that keep a tensor's values (what lies between a copy and its use)
+_VIEW_NODES = frozenset(
+    {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+     "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"}
+)  # fmt: skip
+
+
 def is_autocast_param_copy(t: torch.Tensor, params: StorageSet) -> bool:
-    """True for the fp16/bf16 copy of a parameter that autocast makes (and caches) in forward."""
+    """True for the fp16/bf16 copy of a parameter that autocast makes (and caches) in forward,
+    or a view of it (``F.linear`` saves the copy transposed): it is a parameter, never
+    quantized (2-bit weights in ``grad_input = G W`` would reach every layer below)."""
     fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_NODES and len(fn.next_functions) == 1:
+        fn = fn.next_functions[0][0]
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     for nxt, _ in fn.next_functions:

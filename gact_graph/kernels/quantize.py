@@ -512,7 +512,10 @@ def quantize_reference(
         lo, hi = torch.aminmax(m, dim=1)
         p = _group_params(lo, hi, bits)
         v = m.sub(p.lo_q[:, None]).div_(p.scale_q[:, None])
-        h = uniform_bits_range_(torch.empty_like(v, dtype=torch.int32), seed, blk.first * g)
+        # contiguous whatever v's strides (a transposed square input gives a transposed v):
+        # the draws are numbered in group-matrix order, as the Triton kernel numbers them
+        h = torch.empty(v.shape, dtype=torch.int32, device=v.device)
+        h = uniform_bits_range_(h, seed, blk.first * g)
         # v + u with u = (h >> 8) * 2**-24: the product is exact, so this is one rounding.
         v.add_(h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF), alpha=_INV_2_24)
         v.floor_().clamp_(0, levels)

@@ -575,3 +575,21 @@ def test_a_module_shared_by_two_models_is_compressed_by_one_controller_at_a_time
     ctl_b = compress_gnn(b, bits=2)  # free again once a's controller is gone
     ctl_b.remove()
     assert "forward" not in shared.__dict__
+
+
+def test_autocast_weight_copies_are_parameters_not_quantized():
+    """Under autocast F.linear saves the bf16 copy of its weight, transposed. It is a
+    parameter: quantizing it put 2-bit noise into every input gradient below (and crashed
+    the reference quantizer on square weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 8))  # fmt: skip
+    x = torch.randn(500, 64)
+    ctl = compress_gnn(model, bits=2, adaptive=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    rows = ctl.stats()["tensors"]
+    weights = [r for r in rows if tuple(r["shape"]) in ((256, 256), (64, 256), (256, 8))]
+    assert weights and all(r["kind"] == "param" and r["bits"] is None for r in weights), rows
+    out.float().square().mean().backward()
+    ctl.remove()

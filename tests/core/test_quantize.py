@@ -450,3 +450,16 @@ def test_float64_beyond_fp32_range_raises_instead_of_nan():
         quantize(x, 2)
     x[3, 1] = float("inf")  # non-finite is not a range problem: its group comes back NaN
     assert quantize(x, 2, seed=0).dequantize()[3].isnan().all()
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (64, 64), (300, 256)])
+def test_non_contiguous_input_quantizes_like_its_contiguous_copy(shape):
+    """A transposed square tensor made the reference's group matrix non-contiguous, and the
+    random draws were viewed flat from a tensor with its strides (a crash under autocast,
+    where F.linear saves a transposed bf16 weight)."""
+    x = torch.randn(shape[::-1]).t()
+    assert not x.is_contiguous()
+    for bits in (2, 4):
+        a = quantize(x, bits, group_size=256, seed=3).dequantize()
+        b = quantize(x.contiguous(), bits, group_size=256, seed=3).dequantize()
+        assert torch.equal(a, b)
