@@ -37,10 +37,24 @@ def read_doc_example(name: str) -> str:
     return m.group(1)
 
 
+def run_doc_example(name: str, replacements=()) -> dict:
+    """Run example ``name`` with each ``(old, new)`` of ``replacements`` applied (each must be
+    in the code: a renamed line fails the test, not silently the substitution); its globals."""
+    code = read_doc_example(name)
+    for old, new in replacements:
+        assert old in code, f"{old!r} is not in example {name!r}"
+        code = code.replace(old, new)
+    ns: dict = {"__name__": "__doc_example__"}
+    exec(compile(code, str(INTEGRATIONS_DOC), "exec"), ns)
+    return ns
+
+
 @pytest.fixture(scope="session")
 def doc_example():
-    """``doc_example(name)`` -> the example's code; ``doc_example.path`` names the file."""
+    """``doc_example(name)`` -> the example's code; ``doc_example.run(name, replacements)``
+    runs it; ``doc_example.path`` names the file."""
     read_doc_example.path = str(INTEGRATIONS_DOC)
+    read_doc_example.run = run_doc_example
     return read_doc_example
 
 

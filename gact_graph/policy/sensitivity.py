@@ -368,10 +368,10 @@ _NORM_PRESERVING = frozenset(
 )  # fmt: skip
 
 
-def _matmul_param_index(node) -> int | None:
+def _matmul_param_index(node, param_ids: set[int]) -> int | None:
     """For ``mm`` / ``addmm`` nodes: the position of ``mat2`` among the node's inputs when its
-    gradient reaches a parameter's ``AccumulateGrad`` through norm-preserving nodes only;
-    else ``None``."""
+    gradient reaches the ``AccumulateGrad`` of one of ``param_ids`` through norm-preserving
+    nodes only; else ``None``."""
     try:
         name = node.name()
     except Exception:  # Python Function nodes without a name
@@ -379,8 +379,8 @@ def _matmul_param_index(node) -> int | None:
     k = {"MmBackward0": 1, "AddmmBackward0": 2}.get(name)
     if k is None or len(node.next_functions) <= k:
         return None
-    leaf = _past_norm_preserving(node.next_functions[k][0])
-    return k if getattr(leaf, "variable", None) is not None else None
+    var = getattr(_past_norm_preserving(node.next_functions[k][0]), "variable", None)
+    return k if var is not None and id(var) in param_ids else None
 
 
 def _past_norm_preserving(fn):
@@ -430,6 +430,7 @@ class SensitivityProbe:
         self._ctl_own: dict[str, Any] = {}
         self._kappa = weakref.WeakKeyDictionary()  # Stored -> rounding_variance_factor
         self._row_var = weakref.WeakKeyDictionary()  # Stored -> per-row rounding variance
+        self._matmul_k: dict[int, int] = {}  # id(node) -> mat2's slot, for closed-form nodes
 
     # ---------------------------------------------------------------- arming
     def arm(self) -> None:
@@ -535,7 +536,11 @@ class SensitivityProbe:
     def _pre_hook(self, node):
         python_node = not callable(node)
 
-        matmul = self.closed_form and _matmul_param_index(node) is not None
+        # decided once per node, when the forward's graph is hooked
+        k = _matmul_param_index(node, self._param_ids) if self.closed_form else None
+        if k is not None:
+            self._matmul_k[id(node)] = k
+        matmul = k is not None
 
         def hook(grad_outputs):
             if not self._busy():
@@ -612,7 +617,7 @@ class SensitivityProbe:
         backward, no temporary larger than a row vector (ActNN's analysis of linear layers).
         ``False`` when the node is not such a matmul: the replay estimates it."""
         row_var = self._row_var.get(stored)
-        k = _matmul_param_index(node) if self.closed_form else None
+        k = self._matmul_k.get(id(node))
         if row_var is None or k is None or grad_outputs[0] is None:
             return False
         if k == 1:
@@ -621,8 +626,6 @@ class SensitivityProbe:
             mat1, mat2 = node._saved_mat1_sym_sizes, node._saved_mat2_sym_sizes
         # the tensor must be mat1 (unambiguously: equal shapes could be either operand)
         if tuple(shape) != tuple(mat1) or tuple(mat1) == tuple(mat2):
-            return False
-        if self._param_of(node, k) is None:
             return False
         g = grad_outputs[0]
         alpha = float(getattr(node, "_saved_alpha", 1.0))
@@ -633,10 +636,6 @@ class SensitivityProbe:
         self._numel[stored.name] = stored.payload.numel()
         self.ran = True
         return True
-
-    def _param_of(self, node, k: int):
-        var = getattr(_past_norm_preserving(node.next_functions[k][0]), "variable", None)
-        return var if var is not None and id(var) in self._param_ids else None
 
     def _noisy(self, stored, x_hat: Tensor) -> tuple[Tensor, int]:
         """``x_hat`` plus its probing noise. Drawn again at every read from the tensor's own
@@ -779,6 +778,7 @@ class SensitivityProbe:
         for h in self._node_handles:
             h.remove()
         self._node_handles.clear()
+        self._matmul_k.clear()
         self._override.clear()
         self._acc.clear()
         self._sq.clear()

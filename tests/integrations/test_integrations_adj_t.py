@@ -18,13 +18,10 @@ def test_doc_example_trains_on_adj_t(
     else:
         monkeypatch.setattr(pyg_typing, "WITH_TORCH_SPARSE", False)  # what ToSparseTensor reads
         is_adj_type = torch.Tensor
-    code = doc_example("adj_t")
-    for old, new in [('root = "data"', f"root = {str(cora_root)!r}"),
-                     ("epochs = 200", f"epochs = {EPOCHS}")]:  # fmt: skip
-        assert old in code
-        code = code.replace(old, new)
-    ns: dict = {"__name__": "__doc_example__"}
-    exec(compile(code, doc_example.path, "exec"), ns)
+    ns = doc_example.run(
+        "adj_t", [('root = "data"', f"root = {str(cora_root)!r}"),
+                  ("epochs = 200", f"epochs = {EPOCHS}")],
+    )  # fmt: skip
     assert isinstance(ns["data"].adj_t, is_adj_type)
     out = capsys.readouterr().out
     paths = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.strip()}

@@ -106,10 +106,7 @@ def test_doc_example_runs(cora, doc_example, tmp_path, monkeypatch):
     root, _ = cora
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    code = doc_example("cogdl")
-    for old, new in [('root = "data"', f"root = {str(root)!r}"), ("epochs=200", "epochs=20")]:
-        assert old in code
-        code = code.replace(old, new)
-    ns: dict = {}
-    exec(compile(code, doc_example.path, "exec"), ns)
+    ns = doc_example.run(
+        "cogdl", [('root = "data"', f"root = {str(root)!r}"), ("epochs=200", "epochs=20")]
+    )
     assert ns["model"].controller().step == 19

@@ -56,17 +56,15 @@ def _trainer(tmp_path, epochs, callbacks, **kw):
 
 def test_doc_example_trains_like_stock(cora_root, cora, doc_example, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the example's CSVLogger writes ./logs
-    code = doc_example("lightning")
-    for old, new in [
-        ('root = "data"', f"root = {str(cora_root)!r}"),
-        ("epochs = 200", f"epochs = {EPOCHS}"),
-    ]:
-        assert old in code
-        code = code.replace(old, new)
-    ns: dict = {"__name__": "__doc_example__"}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        exec(compile(code, doc_example.path, "exec"), ns)
+        ns = doc_example.run(
+            "lightning",
+            [
+                ('root = "data"', f"root = {str(cora_root)!r}"),
+                ("epochs = 200", f"epochs = {EPOCHS}"),
+            ],
+        )
     acc = ns["acc"]
     stock = _train_stock(cora)
     metrics = ns["logged"]

@@ -35,13 +35,10 @@ def _train_stock(data, epochs=EPOCHS):
 
 
 def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
-    code = doc_example("pyg")
-    for old, new in [('root = "data"', f"root = {str(cora_root)!r}"),
-                     ("epochs = 200", f"epochs = {EPOCHS}")]:  # fmt: skip
-        assert old in code
-        code = code.replace(old, new)
-    ns: dict = {"__name__": "__doc_example__"}
-    exec(compile(code, doc_example.path, "exec"), ns)
+    ns = doc_example.run(
+        "pyg", [('root = "data"', f"root = {str(cora_root)!r}"),
+                ("epochs = 200", f"epochs = {EPOCHS}")],
+    )  # fmt: skip
     acc, stats = ns["acc"], ns["stats"]
     stock = _train_stock(cora)
     with capsys.disabled():

@@ -12,8 +12,8 @@ from gact_graph.kernels.bitpack import (
     packed_nbytes,
     unpack_bits,
 )
+from tests.devices import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SIZES = [0, 1, 3, 7, 8, 9, 255, 1023, 4097]
 
 

@@ -20,18 +20,12 @@ from torch import nn
 
 from gact_graph import compress_gnn
 from gact_graph.ops import install_pointwise_ops
+from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
-    ),
-]
-DTYPES = [torch.bfloat16, torch.float16]
-U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+DTYPES = AUTOCAST_DTYPES
+U = UNIT_ROUNDOFF
 K = 3.0
 H = 32
 

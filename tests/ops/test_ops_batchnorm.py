@@ -12,8 +12,8 @@ from torch import nn
 from gact_graph import compress_gnn
 from gact_graph.ops import PointwiseMode
 from gact_graph.ops.batchnorm import BatchNormFunction
+from tests.devices import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
 

@@ -10,9 +10,9 @@ import gact_graph.ops.inverted as I
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
+from tests.devices import DEVICES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 #: documented max |f'(f^-1(y)) - PyTorch's f'(x)| per dtype of y (docs/design.md), with margin

@@ -11,12 +11,12 @@ import gact_graph.ops.masks as M
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
+from tests.devices import DEVICES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # name -> op on a tensor that requires grad (in-place ops work on a non-leaf copy)
 OPS = {

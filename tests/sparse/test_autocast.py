@@ -45,21 +45,14 @@ from gact_graph.models import GAT, GCN, GCNII
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.gat import gat_attention, gatv2_attention
 from gact_graph.sparse.spmm import spmm
+from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
-    ),
-]
-DTYPES = [torch.bfloat16, torch.float16]
-#: unit roundoff of the autocast dtypes
-U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+DTYPES = AUTOCAST_DTYPES
+U = UNIT_ROUNDOFF
 K = 3.0
 #: GATv2's tolerance factor (module docstring)
 K_GATV2 = 5.0

@@ -12,6 +12,7 @@ from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAG
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.sparse.convs import LABEL
+from tests.devices import DEVICES
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
@@ -344,9 +345,6 @@ def test_quantized_training_step_runs_and_stays_close():
 
 def _max_err(a, ref):
     return 0.0 if a is None else (a.double().cpu() - ref.cpu()).abs().max().item()
-
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

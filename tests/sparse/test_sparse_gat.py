@@ -16,6 +16,7 @@ from gact_graph.memory import saved_bytes_stats
 from gact_graph.sparse import gat as sgat
 from gact_graph.sparse import install_sparse_paths
 from tests.benchmarks.test_scale_deep import _bias_stats
+from tests.devices import DEVICES
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -643,7 +644,7 @@ def test_quantized_4bit_three_layer_gat():
 # ---------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("conv_cls", [GATConv, GATv2Conv])
 def test_device_lossless_matches_pyg(conv_cls, device):
     """The same body on every available device (CPU in CI)."""
