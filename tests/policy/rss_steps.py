@@ -2,7 +2,10 @@
 `test_probe_memory.py`: run as a script in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` set
 low, so that every large tensor is its own mapping and the resident set follows the live bytes.
 
-    python tests/policy/rss_steps.py MODEL  ->  one JSON line {"fixed": [...], "adaptive": [...]}
+    python tests/policy/rss_steps.py MODEL MODE  ->  one JSON line, a list of per-step peaks
+
+MODE is ``fixed`` or ``adaptive``; each runs in its own process, so neither pays for what the
+other allocated first (thread pools, the allocator's first mappings).
 
 Each list: per step, the peak resident set during the step minus the resident set before it
 (MiB), steps 0-8 (the default mode probes steps 0, 1, 3 and 7)."""
@@ -43,5 +46,7 @@ def step_peaks(name: str, adaptive: bool, n: int = 30_000, f: int = 64, steps: i
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    name = sys.argv[1]
-    print(json.dumps({"fixed": step_peaks(name, False), "adaptive": step_peaks(name, True)}))
+    name, mode = sys.argv[1], sys.argv[2]
+    if mode not in ("fixed", "adaptive"):
+        raise SystemExit(f"MODE must be fixed or adaptive, got {mode!r}")
+    print(json.dumps(step_peaks(name, mode == "adaptive")))

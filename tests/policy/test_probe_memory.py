@@ -20,11 +20,15 @@ pytestmark = pytest.mark.skipif(
 
 def _peaks(model: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), model], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    out = {}
+    for mode in ("fixed", "adaptive"):
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), model, mode],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
 
 
 def test_linear_inputs_probe_within_the_fixed_bit_envelope():
