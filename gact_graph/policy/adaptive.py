@@ -387,10 +387,12 @@ class Adapter:
             self._last_call = time.perf_counter()
 
     def _observe(self, ctl) -> None:
-        """Add the tensors the last forward quantized (or kept at a planned 32 bits)."""
+        """Add the tensors the last forward quantized (or kept at a planned 32 bits), and take
+        the sizes of known ones from it: a tensor's role keeps its name from mini-batch to
+        mini-batch while its size changes, and the budget must be that of the probed batch."""
         for r in ctl.stats()["tensors"]:
             name = r["name"]
-            if r["kind"] != "activation" or name in self.tensors:
+            if r["kind"] != "activation":
                 continue
             if r["bits"] is None and (ctl.plan.get(name) or 0) < 32:
                 continue  # kept lossless by a graph-aware path or below min_numel
