@@ -9,6 +9,7 @@ from torch import nn
 from gact_graph.config import CompressionConfig
 from gact_graph.core.controller import Controller
 from gact_graph.ops import install_pointwise_ops
+from gact_graph.policy.acgc import attach_acgc
 from gact_graph.policy.adaptive import attach_adapter
 from gact_graph.policy.levels import install_level
 from gact_graph.policy.watch import attach_watch
@@ -29,12 +30,16 @@ def compress_gnn(
     pointwise: bool = True,
     opt_level: str = "L1",
     adapt_interval: int | None = None,
+    policy: str = "adaptive",
+    loss_bound: float | None = None,
     config: CompressionConfig | None = None,
     **extra: Any,
 ) -> Controller:
     """Compress what ``model`` saves for backward; returns the `Controller`.
 
-    ``bits=None`` (or 32) stores everything losslessly. The model itself is not modified beyond
+    ``bits=None`` (or 32) stores everything losslessly. ``policy="acgc", loss_bound=e2`` chooses
+    bits per tensor so that compression adds at most ``e2`` times the gradient's measured squared
+    norm to its variance (AC-GC; `gact_graph.policy.acgc`). The model itself is not modified beyond
     hooks and patches that ``Controller.remove()`` undoes exactly; it can also be used as a
     context manager::
 
@@ -52,6 +57,8 @@ def compress_gnn(
             pointwise=pointwise,
             opt_level=opt_level,
             adapt_interval=adapt_interval,
+            policy=policy,
+            loss_bound=loss_bound,
             extra=extra,
         )
     elif not isinstance(config, CompressionConfig):
@@ -64,7 +71,9 @@ def compress_gnn(
     if config.opt_level in ("L2", "CB1"):
         install_level(ctl)  # L2: swap to pinned CPU memory; CB1: compressed checkpointing
     if config.adaptive and not config.lossless:
-        attach_adapter(ctl)  # bits per tensor from measured sensitivity (policy.adaptive)
+        # bits per tensor from measured sensitivity: under an average budget (policy.adaptive)
+        # or under a bound on the added gradient variance (policy.acgc)
+        (attach_acgc if config.policy == "acgc" else attach_adapter)(ctl)
     if not config.lossless:
         attach_watch(ctl)  # warns when compression noise makes the gradients blow up
     if config.opt_level != "L0":

@@ -13,6 +13,7 @@ __all__ = [
     "FIXED_BITS",
     "OPT_LEVELS",
     "PLAN_BITS",
+    "POLICIES",
 ]
 
 #: The one answer every path gives to a ``create_graph=True`` backward it cannot differentiate
@@ -44,6 +45,9 @@ EXTRA_OPTIONS = {
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.
 OPT_LEVELS = ("L0", "L1", "L2", "CB1")
+#: How ``adaptive=True`` chooses bits per tensor: ``"adaptive"`` spends an average budget of
+#: ``bits`` (GACT); ``"acgc"`` meets a bound on the added gradient variance (AC-GC).
+POLICIES = ("adaptive", "acgc")
 
 
 @dataclass
@@ -67,6 +71,13 @@ class CompressionConfig:
         opt_level: one of ``OPT_LEVELS``.
         adapt_interval: steps between re-estimations of sensitivity (``None``: the schedule
             decides, backing off as sensitivities settle).
+        policy: one of ``POLICIES``, how ``adaptive=True`` chooses bits. ``"acgc"``
+            (`gact_graph.policy.acgc`) gives each tensor the fewest bits such that the gradient
+            variance compression adds stays below ``loss_bound`` times the gradient's measured
+            squared norm (AC-GC: the loss bound grows by at most ``1 + loss_bound``); ``bits``
+            is then only the width of the steps before the first estimate.
+        loss_bound: AC-GC's :math:`e^2` (> 0), required by ``policy="acgc"`` and read by
+            nothing else.
     """
 
     bits: float | None = 2
@@ -78,6 +89,8 @@ class CompressionConfig:
     pointwise: bool = True
     opt_level: str = "L1"
     adapt_interval: int | None = None
+    policy: str = "adaptive"
+    loss_bound: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,6 +140,38 @@ class CompressionConfig:
             not isinstance(self.adapt_interval, int) or self.adapt_interval < 1
         ):
             raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy != "acgc":
+            if self.loss_bound is not None:
+                raise ValueError(
+                    f"loss_bound={self.loss_bound!r} is read only by policy='acgc' "
+                    f"(policy is {self.policy!r})"
+                )
+            return
+        if self.loss_bound is None:
+            raise ValueError(
+                "policy='acgc' needs loss_bound=e2 (> 0): the allowed gradient variance added "
+                "by compression, as a fraction of the gradient's own (e.g. 0.1)"
+            )
+        if isinstance(self.loss_bound, bool) or not isinstance(self.loss_bound, (int, float)):
+            raise TypeError(f"loss_bound must be a number, got {self.loss_bound!r}")
+        if not (self.loss_bound > 0 and self.loss_bound != float("inf")):
+            raise ValueError(f"loss_bound must be finite and > 0, got {self.loss_bound}")
+        if not self.adaptive:
+            raise ValueError(
+                "policy='acgc' chooses bits per tensor; adaptive=False (the same bits for "
+                "every tensor) contradicts it"
+            )
+        if self.lossless:
+            raise ValueError(
+                "policy='acgc' bounds the error of compression, but bits=None/32 or "
+                "opt_level='L0' compresses nothing; give bits (the width before the first "
+                "estimate, e.g. 8)"
+            )
 
     @property
     def lossless(self) -> bool:
