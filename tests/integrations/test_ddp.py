@@ -19,7 +19,11 @@ turn, so torch and PyG are imported once per rank):
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,7 @@ from gact_graph.datasets.synthetic import make_synthetic_graph
 from gact_graph.memory import count_saved_bytes
 from gact_graph.models import GCN
 
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 16
 #: (label, compress_gnn bits or "off", rounding seed)
@@ -171,3 +176,28 @@ def test_two_bit_loss_curve_within_compression_noise(ddp_runs):
     assert 0 < noise, "two rounding seeds gave the same curve: nothing was quantized"
     assert gap <= 3 * noise, f"2-bit vs stock {gap:.4f}, 2-bit vs 2-bit {noise:.4f}"
     assert two[-4:].mean() < 0.8 * two[:4].mean()  # and it trains
+
+
+def test_doc_example_under_torchrun(cora_root, doc_example, tmp_path):
+    """The DDP recipe of docs/integrations.md, run as documented: torchrun, 2 gloo processes."""
+    code = doc_example("ddp")
+    for old, new in [('root = "data"', f"root = {str(cora_root)!r}"),
+                     ("epochs = 100", "epochs = 30")]:  # fmt: skip
+        assert old in code
+        code = code.replace(old, new)
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = re.findall(r"rank (\d): last batch saved (\d+) -> (\d+) bytes", proc.stdout)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], proc.stdout
+    for _, orig, stored in ranks:
+        assert 0 < int(stored) < int(orig) / 3
+    acc = float(re.search(r"test accuracy ([\d.]+)", proc.stdout).group(1))
+    assert acc > 0.6, proc.stdout

@@ -311,3 +311,21 @@ def test_graphsaint_random_walk_sampler():
         data, batch_size=100, walk_length=2, num_steps=6, sample_coverage=0
     )
     _check_loader_batches(loader, lambda b: b.train_mask)
+
+
+# --------------------------------------------------------------- docs/integrations.md recipe
+def test_doc_example_trains_like_uncompressed(cora_root, doc_example, capsys):
+    """The mini-batch recipe (NeighborLoader where a sampler imports, else RandomNodeLoader) on
+    real Cora, at 2 bits and lossless (stock PyG's values): same accuracy within noise."""
+    common = [('root = "data"', f"root = {str(cora_root)!r}"), ("epochs = 50", "epochs = 20")]
+    ns = doc_example.run("minibatch", common)
+    lossless = doc_example.run(
+        "minibatch",
+        [*common, ("compress_gnn(model, bits=2)", "compress_gnn(model, bits=None)")],
+    )
+    with capsys.disabled():
+        print(f"mini-batch recipe on Cora: lossless {lossless['acc']:.3f}, 2-bit {ns['acc']:.3f}")
+    assert lossless["acc"] > 0.6 and ns["acc"] > 0.6
+    assert abs(ns["acc"] - lossless["acc"]) < 0.05
+    assert ns["stats"]["ratio"] > 2.0
+    assert getattr(ns["model"], "_gact_graph_controller", None) is None  # removed
