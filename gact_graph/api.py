@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from gact_graph.budget import attach_budget
 from gact_graph.config import CompressionConfig
 from gact_graph.core.controller import Controller
 from gact_graph.ops import install_pointwise_ops
@@ -30,6 +31,7 @@ def compress_gnn(
     pointwise: bool = True,
     opt_level: str = "L1",
     adapt_interval: int | None = None,
+    memory_budget: int | str | None = None,
     policy: str = "adaptive",
     loss_bound: float | None = None,
     config: CompressionConfig | None = None,
@@ -41,7 +43,8 @@ def compress_gnn(
     bits per tensor so that compression adds at most ``e2`` times the gradient's measured squared
     norm to its variance (AC-GC; `gact_graph.policy.acgc`). The model itself is not modified beyond
     hooks and patches that ``Controller.remove()`` undoes exactly; it can also be used as a
-    context manager::
+    context manager. ``memory_budget="16GiB"`` (or bytes) lets a planner choose per saved tensor
+    keep / compress / recompute / swap so that each step fits (`gact_graph.budget`)::
 
         with compress_gnn(model, bits=2) as ctl:
             train(model)
@@ -57,6 +60,7 @@ def compress_gnn(
             pointwise=pointwise,
             opt_level=opt_level,
             adapt_interval=adapt_interval,
+            memory_budget=memory_budget,
             policy=policy,
             loss_bound=loss_bound,
             extra=extra,
@@ -74,6 +78,8 @@ def compress_gnn(
         # bits per tensor from measured sensitivity: under an average budget (policy.adaptive)
         # or under a bound on the added gradient variance (policy.acgc)
         (attach_acgc if config.policy == "acgc" else attach_adapter)(ctl)
+    if config.memory_budget is not None:
+        attach_budget(ctl)  # per tensor keep/compress/recompute/swap under the budget (budget/)
     if not config.lossless:
         attach_watch(ctl)  # warns when compression noise makes the gradients blow up
     if config.opt_level != "L0":

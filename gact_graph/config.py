@@ -13,6 +13,8 @@ __all__ = [
     "FIXED_BITS",
     "OPT_LEVELS",
     "PLAN_BITS",
+    "format_bytes",
+    "parse_bytes",
     "POLICIES",
 ]
 
@@ -41,10 +43,66 @@ EXTRA_OPTIONS = {
     "estimator": "adaptive: 'probe' or 'two_seed' (GACT's Algorithm 1)",
     "alert_share": "adaptive: compression share of the gradient variance that warns",
     "hysteresis": "adaptive: how much better a new plan must be to replace the old",
+    "budget_margin": "memory_budget: share of the budget kept free for what the prediction "
+    "misses (default 0.1)",
 }
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.
 OPT_LEVELS = ("L0", "L1", "L2", "CB1")
+#: Units ``memory_budget`` strings may use, in bytes (SI and binary prefixes).
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes of ``value``: an int, or a string such as ``"16GiB"``, ``"512MB"``, ``"1.5 GB"``
+    (B, KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024)."""
+    if isinstance(value, bool):
+        raise TypeError(
+            f"memory_budget must be bytes (int) or a string like '16GiB', got {value!r}"
+        )
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        text = value.strip().replace(" ", "").lower()
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits) :] or "b"
+        try:
+            number = float(digits)
+        except ValueError:
+            number = float("nan")
+        if unit not in _BYTE_UNITS or not number == number:
+            raise ValueError(
+                f"memory_budget {value!r} is not a size: use bytes (int) or a number with one of "
+                f"{sorted(_BYTE_UNITS, key=_BYTE_UNITS.get)} (case-insensitive), e.g. '16GiB'"
+            )
+        n = int(number * _BYTE_UNITS[unit])
+    else:
+        raise TypeError(
+            f"memory_budget must be bytes (int) or a string like '16GiB', got {value!r}"
+        )
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, e.g. ``'1.50 GiB'``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 #: How ``adaptive=True`` chooses bits per tensor: ``"adaptive"`` spends an average budget of
 #: ``bits`` (GACT); ``"acgc"`` meets a bound on the added gradient variance (AC-GC).
 POLICIES = ("adaptive", "acgc")
@@ -71,6 +129,10 @@ class CompressionConfig:
         opt_level: one of ``OPT_LEVELS``.
         adapt_interval: steps between re-estimations of sensitivity (``None``: the schedule
             decides, backing off as sensitivities settle).
+        memory_budget: the most memory a training step may use (bytes, or a string such as
+            ``"16GiB"``/``"512MB"``); ``None`` (default) plans nothing. A planner
+            (`gact_graph.budget`) then chooses per saved tensor keep / compress at b bits /
+            recompute / swap so that the predicted peak fits and the step is fastest.
         policy: one of ``POLICIES``, how ``adaptive=True`` chooses bits. ``"acgc"``
             (`gact_graph.policy.acgc`) gives each tensor the fewest bits such that the gradient
             variance compression adds stays below ``loss_bound`` times the gradient's measured
@@ -89,6 +151,7 @@ class CompressionConfig:
     pointwise: bool = True
     opt_level: str = "L1"
     adapt_interval: int | None = None
+    memory_budget: int | str | None = None
     policy: str = "adaptive"
     loss_bound: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +203,8 @@ class CompressionConfig:
             not isinstance(self.adapt_interval, int) or self.adapt_interval < 1
         ):
             raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # raises, naming the problem
         self._check_policy()
 
     def _check_policy(self) -> None:
@@ -172,6 +237,11 @@ class CompressionConfig:
                 "opt_level='L0' compresses nothing; give bits (the width before the first "
                 "estimate, e.g. 8)"
             )
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (None: no budget)."""
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
     @property
     def lossless(self) -> bool:

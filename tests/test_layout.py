@@ -23,7 +23,8 @@ ALLOWED = {
     "sparse": {"config"},
     "ops": {"core", "config"},  # core: type annotations only (TYPE_CHECKING)
     "policy": {"core", "kernels", "config"},
-    "api": {"config", "core", "policy", "ops", "sparse"},
+    "api": {"config", "core", "policy", "ops", "sparse", "budget"},
+    "budget": {"core", "kernels", "config", "policy"},  # the memory-budget planner
     "memory": {"config", "core"},
     "integrations": {"api", "config", "core", "sparse"},
     "models": set(),

@@ -162,6 +162,11 @@ class Controller:
         #: ``fn(stored) -> Stored`` applied to every newly stored tensor (opt level L2 wraps
         #: payloads to swap them to CPU; see `gact_graph.policy.levels`).
         self.payload_wrapper: Callable[[Stored], Stored] | None = None
+        #: ``fn(name) -> bits`` (None/32: lossless) that overrides ``plan`` and the adapter for
+        #: every tensor (the memory-budget planner, `gact_graph.budget`, sets it).
+        self.bits_policy: Callable[[str], int | None] | None = None
+        #: ``fn() -> str`` whose lines `report()` appends (the memory-budget plan).
+        self.report_extra: list[Callable[[], str]] = []
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         #: (module, had an instance ``forward``, that forward) per `patch_forward`, in order
@@ -429,6 +434,8 @@ class Controller:
         """Bits the plan gives the tensor ``name`` (None: lossless)."""
         if self.config.lossless:
             return None
+        if self.bits_policy is not None:  # a policy that decides every tensor (memory budget)
+            return self.bits_policy(name)
         if name in self.plan:
             return self.plan[name]
         if self.adapter is not None:  # adaptive: tensors the plan does not cover yet
@@ -586,6 +593,9 @@ class Controller:
         if self.adapter is not None:  # bits and sensitivity per tensor
             rows.append("")
             rows.append(self.adapter.report(self.plan))
+        for extra in self.report_extra:  # e.g. the memory-budget plan, predicted vs measured
+            rows.append("")
+            rows.append(extra())
         return "\n".join(rows)
 
     def plot_bits(self, path: str) -> str:

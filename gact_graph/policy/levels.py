@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -447,6 +448,8 @@ class _Segment:
                 return self.fn(*args, **kwargs)
         finally:
             self.manager._depth -= 1
+            for listener in self.manager.listeners:  # e.g. the memory-budget profiler
+                listener("forward", self, None, 0.0)
 
     def _save_input(self, a: Any) -> tuple:
         if isinstance(a, Tensor):
@@ -499,6 +502,7 @@ class _Segment:
         store: dict[int, Stored] = {}
         count = 0
         seg_bytes = 0
+        started = time.perf_counter()
         n = len(self.holders)
         counters = self.manager.counters
 
@@ -559,6 +563,9 @@ class _Segment:
         counters["recomputes"] += 1
         counters["max_segment_stored_bytes"] = max(counters["max_segment_stored_bytes"], seg_bytes)
         self.manager._label(ctl, self.path)
+        seconds = time.perf_counter() - started
+        for listener in self.manager.listeners:
+            listener("recompute", self, store, seconds)
         return store
 
     def _compress(self, t: Tensor, i: int, by_view: dict[Any, Stored]) -> tuple[Stored, bool]:
@@ -591,12 +598,20 @@ class CheckpointManager:
     stored (``recomputed_orig_bytes`` what they would have held uncompressed);
     ``max_segment_stored_bytes`` is the most one recomputation held at once, what backward
     holds on top of the forward's stored bytes.
+
+    ``enabled`` (``None``: every segment) is the set of segment paths that run checkpointed;
+    the others run their forward as is, so a policy (the memory-budget planner) decides per
+    segment. ``listeners`` are called as ``fn(event, segment, store, seconds)`` after each
+    checkpointed forward (``"forward"``) and each recomputation (``"recompute"``, with the
+    recomputed `Stored` by index and the seconds it took).
     """
 
     def __init__(self, ctl: Controller, spec=None) -> None:
         self._ctl = weakref.ref(ctl)
         self._depth = 0
         self.segments = checkpoint_segments(ctl.model, spec)
+        self.enabled: set[str] | None = None
+        self.listeners: list[Callable[[str, _Segment, dict | None, float], None]] = []
         self.counters = {
             "segments_run": 0,
             "recomputes": 0,
@@ -623,7 +638,13 @@ class CheckpointManager:
 
         def forward(*args, **kwargs):
             c = self._ctl()
-            if c is None or not c.compressing or self._depth or not torch.is_grad_enabled():
+            if (
+                c is None
+                or not c.compressing
+                or self._depth
+                or not torch.is_grad_enabled()
+                or (self.enabled is not None and path not in self.enabled)
+            ):
                 return inner(*args, **kwargs)
             try:
                 return _Segment(self, c, path, module, inner).run(args, kwargs)

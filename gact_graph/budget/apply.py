@@ -1,0 +1,538 @@
+"""`compress_gnn(model, memory_budget=...)`: profile, plan, apply and re-plan (Adacc).
+
+**Steps.** The first training step with inputs of a new shape (a new graph, a new batch) is a
+*profile* step: it runs at the most compressed setting (every tensor at 1 bit, every CB1
+segment recomputed), so that it is itself the step least likely to exceed the budget. It
+measures what the plan needs: every saved tensor's shape (from the controller's records), the
+tensors each segment saves inside and its recompute time (`CheckpointManager` listeners), the
+step's peak (`StepMeter`), and, once per shape and width, the (de)compression time. After the
+step (at ``ctl.iterate()``) the planner (`gact_graph.budget.planner`) chooses per unit and the
+plan holds for every later step with inputs of that shape; plans are cached per input shape,
+so alternating graphs re-profile once each (Adacc's policy rectifier re-plans on a size
+change the same way).
+
+**Predicted peak.** ``rest + fixed + plan.memory + transient``: ``rest`` is what exists before
+the step (CUDA: ``memory_allocated`` at its start; CPU: parameters, buffers and the model's
+inputs, counted); ``fixed`` the bytes no option changes (masks, indices, small tensors);
+``plan.memory`` the resident bytes of the chosen options plus the largest recomputed segment;
+``transient`` what the profile step held beyond its stored bytes (gradients, optimizer state,
+workspaces, dequantized copies in backward), never less than twice the largest saved tensor
+plus three times the parameters. The plan must fit ``budget * (1 - margin)``.
+
+**Accuracy.** With sensitivities from the adaptive allocator (``adaptive=True``: its estimate
+of the profile step), the plan's added gradient variance :math:`\\sum_l c_l S(b_l)` may not
+exceed what the allocator's own plan at the configured average bits gives; tensors without an
+estimate (what segments save inside) never go below the default width (the widest quantizer
+width not above ``bits``). Without sensitivities no tensor goes below the default width.
+
+**Errors.** A budget that even the most compressed plan cannot meet raises `BudgetError`
+naming the smallest feasible budget: already at the end of the profile step's forward (before
+backward, from a lower bound), else at its ``ctl.iterate()`` (the exact figure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gact_graph.budget.planner import Option, Plan, Unit, smallest_memory, solve_plan
+from gact_graph.budget.profile import (
+    CodecTimer,
+    LiveBytes,
+    StepMeter,
+    TensorInfo,
+    compressed_bytes,
+)
+from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
+from gact_graph.core.controller import Controller
+from gact_graph.core.saved import tensors_in
+from gact_graph.policy.adaptive import allocate_bits, budget_bits, tensor_costs
+from gact_graph.policy.levels import CheckpointManager, SwapManager
+from gact_graph.policy.sensitivity import S
+
+__all__ = ["BudgetError", "BudgetPlanner", "attach_budget", "DEFAULT_MARGIN"]
+
+#: Share of the budget kept free for what the prediction misses.
+DEFAULT_MARGIN = 0.1
+#: Payloads below this many bytes are never swapped (copies cost more than they free).
+_SWAP_MIN_BYTES = 1 << 16
+
+
+class BudgetError(ValueError):
+    """The memory budget cannot be met by any plan."""
+
+
+@dataclass
+class _Profile:
+    """What one profile step measured."""
+
+    rest: int
+    tensors: list[TensorInfo]
+    inner: dict[str, list[TensorInfo]]
+    recompute_seconds: dict[str, float]
+    stored: int
+    recomputed_peak: int
+    transient: int = 0
+
+
+@dataclass
+class PlanState:
+    """The plan in force for one input shape, and what it predicts."""
+
+    signature: tuple
+    plan: Plan
+    units: list[Unit]
+    rest: int
+    fixed: int
+    transient: int
+    variance_cap: float | None
+    profile_step: int
+    recompute: set[str] = field(default_factory=set)
+    swap: set[str] = field(default_factory=set)
+
+    @property
+    def predicted(self) -> int:
+        return self.rest + self.fixed + self.plan.memory + self.transient
+
+
+class BudgetPlanner:
+    """Keeps a model's training steps under ``budget`` bytes (see the module docstring).
+
+    ``ctl.budget`` is this object: ``plan_state`` (the plan in force), ``history`` (per step:
+    phase, predicted and measured peak, bytes accounted), ``report()``.
+    """
+
+    def __init__(self, ctl: Controller, budget: int, margin: float = DEFAULT_MARGIN) -> None:
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"budget_margin must be in [0, 1), got {margin}")
+        self.ctl = ctl
+        self.budget = int(budget)
+        self.margin = float(margin)
+        cfg = ctl.config
+        self.group_size = cfg.group_size
+        self.min_numel = cfg.min_numel
+        self.lossless = cfg.lossless
+        self.default_bits = 32 if cfg.lossless else max(b for b in FIXED_BITS if b <= cfg.bits)
+        manager = getattr(ctl, "level_manager", None)
+        if not isinstance(manager, CheckpointManager):
+            manager = CheckpointManager(ctl, cfg.extra.get("checkpoint_segments"))
+        self.ckpt = manager
+        self.segments = [p for p, _ in manager.segments]
+        self.swap: SwapManager | None = None
+        self._swap_checked = False
+        self.plans: dict[tuple, PlanState] = {}
+        self.plan_state: PlanState | None = None
+        self.history: list[dict[str, Any]] = []
+        self.profiles = 0
+        self._phase: str | None = None  # "profile" / "planned" during a step, else None
+        self._meter: StepMeter | None = None
+        self._base: int | None = None
+        self._timer: CodecTimer | None = None
+        self._seg_of: dict[str, str | None] = {}
+        self._reset_step()
+        ctl.bits_policy = self.bits_for
+        manager.listeners.append(self._on_segment)
+        root = ctl.model
+        ctl.add_handle(root.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        ctl.add_handle(root.register_forward_hook(self._after_forward, always_call=True))
+        ctl.add_step_hook(self._after_step)
+        ctl.report_extra.append(self.report)
+
+        def undo() -> None:
+            if ctl.bits_policy == self.bits_for:
+                ctl.bits_policy = None
+
+        ctl.add_undo(undo)
+
+    # ---------------------------------------------------------------- per tensor
+    def _segment_of(self, path: str) -> str | None:
+        hit = self._seg_of.get(path, "?")
+        if hit == "?":
+            hit = next((s for s in self.segments if path == s or path.startswith(s + ".")), None)
+            self._seg_of[path] = hit
+        return hit
+
+    def _unit_of(self, name: str) -> str:
+        state = self.plan_state
+        if state is not None and name in state.plan.choice:  # a tensor of its own
+            return name
+        return self._segment_of(name.rsplit("#", 1)[0]) or name
+
+    def bits_for(self, name: str) -> int | None:
+        """The controller's ``bits_policy``: 1 bit in a profile step, the plan's bits after
+        (the default width for a tensor the plan does not know)."""
+        if self.lossless:
+            return None
+        if self._phase == "profile" or self.plan_state is None:
+            return min(FIXED_BITS)
+        opt = self.plan_state.plan.choice.get(self._unit_of(name))
+        bits = self.default_bits if opt is None else opt.bits
+        return None if bits >= 32 else bits
+
+    def _wrap_swap(self, stored):
+        state = self.plan_state
+        if self.swap is not None and state is not None and self._phase == "planned":
+            if stored.name in state.swap:
+                return self.swap.wrap(stored)
+        return stored
+
+    # ---------------------------------------------------------------- step
+    def _reset_step(self) -> None:
+        self._inner: dict[str, list[TensorInfo]] = {}
+        self._meta: dict[str, list[tuple]] = {}
+        self._recompute_seconds: dict[str, float] = {}
+        self._recomputed_peak = 0
+        self._forward: dict[str, Any] | None = None
+        #: per segment, the names of its inputs its recomputation saves again (a stored
+        #: segment holds those itself)
+        self._referenced: dict[str, set[str]] = {}
+        #: storages of tensors segments keep by reference (the shared adjacency): counted once
+        self._shared: dict[int, int] = {}
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        ctl = self.ctl
+        if not ctl.compressing or self._phase is not None:
+            return
+        inputs = tensors_in((args, kwargs))
+        device = inputs[0].device if inputs else next(ctl.model.parameters()).device
+        if not self._swap_checked:
+            self._swap_checked = True
+            if device.type == "cuda" and not self.lossless:  # swapping frees nothing on CPU
+                swap = getattr(ctl, "level_manager", None)
+                self.swap = swap if isinstance(swap, SwapManager) else SwapManager(ctl)
+                ctl.payload_wrapper = self._wrap_swap
+            elif isinstance(getattr(ctl, "level_manager", None), SwapManager):
+                ctl.payload_wrapper = None
+        signature = tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in inputs)
+        self._reset_step()
+        state = self.plans.get(signature)
+        if state is None:
+            self._phase = "profile"
+            self.ckpt.enabled = None  # every segment recomputed
+        else:
+            self._phase = "planned"
+            self.plan_state = state
+            self.ckpt.enabled = set(state.recompute)
+        self._signature = signature
+        self._static = self._static_bytes(inputs)
+        if self._timer is None:
+            self._timer = CodecTimer(device, self.group_size)
+        self._meter = StepMeter(device)
+        self._meter.begin()
+        self._live = None
+        if self._phase == "profile" and device.type != "cuda":
+            self._live = LiveBytes()  # CPU: count live tensor bytes through the profile step
+            self._live.__enter__()
+        if self._base is None and device.type != "cuda":
+            self._base = self._meter.start - self._static  # what the process held before
+        self._device = device
+
+    def _static_bytes(self, inputs: list[torch.Tensor]) -> int:
+        seen, total = set(), 0
+        tensors = [*self.ctl.model.parameters(), *self.ctl.model.buffers(), *inputs]
+        for t in tensors:
+            try:
+                key = t.untyped_storage().data_ptr()
+                size = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+        return total
+
+    def _on_segment(self, event: str, segment, store, seconds: float) -> None:
+        if self._phase is None:
+            return
+        if event == "forward":
+            self._meta.setdefault(segment.path, []).extend(segment.meta)
+            return
+        inputs = {id(spec[1]) for spec in [*segment.args, *segment.kwargs.values()]}
+        infos, held = [], 0
+        referenced = self._referenced.setdefault(segment.path, set())
+        for i, stored in store.items():
+            if id(stored) in inputs:
+                referenced.add(stored.name)
+                continue
+            if stored.kind in ("param", "input"):
+                continue
+            if isinstance(stored.payload, torch.Tensor) and stored.kind != "activation":
+                storage = stored.payload.untyped_storage()  # kept by reference, e.g. indices
+                self._shared[storage.data_ptr()] = storage.nbytes()
+                continue
+            shape = tuple(segment.meta[i][0])
+            q = stored.kind == "activation" and stored.bits is not None
+            infos.append(
+                TensorInfo(
+                    stored.name, shape, stored.orig_bytes, q, 0 if q else stored.stored_bytes
+                )
+            )
+            held += stored.stored_bytes
+        self._inner.setdefault(segment.path, []).extend(infos)
+        self._recompute_seconds[segment.path] = (
+            self._recompute_seconds.get(segment.path, 0.0) + seconds
+        )
+        self._recomputed_peak = max(self._recomputed_peak, held)
+
+    def _after_forward(self, module, args, output) -> None:
+        if self._phase is None or self._forward is not None:
+            return
+        stats = self.ctl.stats()
+        self._forward = {"tensors": stats["tensors"], "stored": stats["total"]["stored_bytes"]}
+        if self._phase == "profile" and output is not None:
+            self._check_lower_bound()
+
+    def _records(self) -> list[TensorInfo]:
+        out = []
+        for r in self._forward["tensors"] if self._forward else []:
+            if r["kind"] in ("param", "input"):
+                continue
+            q = r["kind"] == "activation" and r["bits"] is not None
+            fixed = 0 if q else r["stored_bytes"]
+            info = TensorInfo(r["name"], tuple(r["shape"]), r["orig_bytes"], q, fixed, r["uses"])
+            out.append(info)
+        return out
+
+    def _transient_floor(self, tensors: list[TensorInfo]) -> int:
+        largest = max((t.orig_bytes for t in tensors), default=0)
+        params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
+        return 2 * largest + 3 * params
+
+    def _check_lower_bound(self) -> None:
+        """End of a profile step's forward: can any plan fit? Only shapes are known here (what
+        segments save inside: their holders' shapes), so this is a lower bound: every tensor
+        at 1 bit, every segment recomputed."""
+        tensors = self._records()
+        inner = []
+        for metas in self._meta.values():
+            for shape, dtype, _device in metas:
+                if dtype.is_floating_point and torch.Size(shape).numel() >= self.min_numel:
+                    inner.append(TensorInfo("", tuple(shape), torch.Size(shape).numel() * 4, True))
+        low_bits = 32 if self.lossless else 1
+        fixed = sum(t.fixed_bytes for t in tensors)
+        held = sum(
+            compressed_bytes(t.shape, low_bits, self.group_size) if low_bits < 32 else t.orig_bytes
+            for t in tensors
+            if t.quantizable
+        )
+        rest = self._rest()
+        floor = self._transient_floor(tensors + inner)
+        need = (rest + fixed + held + floor) / (1 - self.margin)
+        if need > self.budget:
+            self._phase = None
+            raise BudgetError(
+                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
+                f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
+                f"least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
+                f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}, "
+                f"margin {self.margin:.0%}); the smallest feasible budget is at least "
+                f"{format_bytes(need)}"
+            )
+
+    def _rest(self) -> int:
+        return self._meter.start if self._device.type == "cuda" else self._static
+
+    def _after_step(self, ctl: Controller) -> None:
+        phase, self._phase = self._phase, None
+        live, self._live = self._live, None
+        if live is not None:
+            live.__exit__(None, None, None)
+        if phase is None or self._forward is None:
+            return
+        peak = self._meter.peak()
+        if peak is None:
+            measured = None
+        elif self._device.type == "cuda":
+            measured = peak
+        else:
+            measured = peak - self._base
+        stored = self._forward["stored"]
+        accounted = self._rest() + stored + self._recomputed_peak
+        if phase == "profile":
+            growth = None
+            if live is not None:
+                growth = live.peak
+            elif peak is not None:
+                growth = peak - self._meter.start
+            state = self._plan_from_profile(growth)
+            self.plans[self._signature] = state
+            self.plan_state = state
+            predicted = None
+        else:
+            predicted = self.plan_state.predicted
+        self.history.append(
+            {
+                "step": ctl.step,
+                "phase": phase,
+                "predicted": predicted,
+                "measured": measured,
+                "accounted": accounted,
+            }
+        )
+        del self.history[:-256]
+
+    # ---------------------------------------------------------------- planning
+    def _plan_from_profile(self, growth: int | None) -> PlanState:
+        """The plan for the profile step just finished; ``growth`` is the most memory the
+        step held beyond what existed before it (None: not measurable)."""
+        self.profiles += 1
+        tensors = self._records()
+        rest = self._rest()
+        stored = self._forward["stored"]
+        all_inner = [t for ts in self._inner.values() for t in ts]
+        floor = self._transient_floor(tensors + all_inner)
+        transient = floor
+        if growth is not None:
+            transient = max(floor, growth - stored - self._recomputed_peak)
+        units, fixed = self._units(tensors)
+        cap_var = self._variance_cap(tensors)
+        free = self.budget * (1 - self.margin) - rest - fixed - transient
+        plan = solve_plan(units, free, cap_var) if free >= 0 else None
+        if plan is None:
+            least, _ = smallest_memory(units, cap_var)
+            need = (rest + fixed + transient + least) / (1 - self.margin)
+            raise BudgetError(
+                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
+                f"smallest feasible budget is {format_bytes(need)} (rest {format_bytes(rest)}, "
+                f"fixed saved bytes {format_bytes(fixed)}, least plan {format_bytes(least)}, "
+                f"backward transient {format_bytes(transient)}, margin {self.margin:.0%}, "
+                f"no tensor without a sensitivity estimate below {self.default_bits} bits)"
+            )
+        recompute = {n for n, o in plan.choice.items() if o.mode == "recompute"}
+        swap = {n for n, o in plan.choice.items() if o.mode == "swap"}
+        return PlanState(
+            self._signature, plan, units, rest, fixed, transient, cap_var, self.ctl.step,
+            recompute, swap,
+        )  # fmt: skip
+
+    def _sensitivities(self) -> dict[str, float]:
+        adapter = self.ctl.adapter
+        c = getattr(adapter, "c", None)
+        return dict(c) if isinstance(c, dict) else {}
+
+    def _variance_cap(self, tensors: list[TensorInfo]) -> float | None:
+        """The added variance of the adaptive allocator's own plan at the configured average
+        over the tensors with an estimate (None: no estimates)."""
+        c = self._sensitivities()
+        known = [t for t in tensors if t.quantizable and t.name in c]
+        if not known or self.lossless:
+            return None
+        costs = [tensor_costs(t.shape, self.group_size) for t in known]
+        D, meta = [d for d, _ in costs], [m for _, m in costs]
+        avg = float(getattr(self.ctl.adapter, "avg_bits", self.default_bits))
+        bits = allocate_bits(
+            [c[t.name] for t in known], D, budget_bits(avg, D, meta), PLAN_BITS, meta
+        )
+        return sum(c[t.name] * S(b) for t, b in zip(known, bits))
+
+    def _bytes(self, t: TensorInfo, bits: int) -> int:
+        return t.orig_bytes if bits >= 32 else compressed_bytes(t.shape, bits, self.group_size)
+
+    def _ladder(self, known: bool) -> list[int]:
+        if self.lossless:
+            return [32]
+        floor = min(FIXED_BITS) if known else self.default_bits
+        return [b for b in FIXED_BITS if b >= floor] + [32]
+
+    def _units(self, tensors: list[TensorInfo]) -> tuple[list[Unit], int]:
+        c = self._sensitivities()
+        timer = self._timer
+        fixed = 0
+        units: list[Unit] = []
+        seg_inputs: dict[str, list[TensorInfo]] = {s: [] for s in self.segments}
+        fixed += sum(self._shared.values())
+        for t in tensors:
+            seg = self._segment_of(t.name.rsplit("#", 1)[0])
+            if seg is not None and t.uses == 1:  # saved by (for) this segment alone
+                seg_inputs[seg].append(t)
+                continue
+            if not t.quantizable:
+                fixed += t.fixed_bytes
+                continue
+            options = []
+            for b in self._ladder(t.name in c):
+                mode = "keep" if b >= 32 else "compress"
+                sec = timer.seconds(t.shape, b)
+                var = c.get(t.name, 0.0) * S(b)
+                options.append(Option(mode, b, self._bytes(t, b), 0, sec, var))
+                held = self._bytes(t, b)
+                if self.swap is not None and b < 32 and held >= _SWAP_MIN_BYTES:
+                    options.append(Option("swap", b, 0, held, sec, var))
+            units.append(Unit(t.name, "tensor", options, t.orig_bytes))
+        for seg in self.segments:
+            ins, inner = seg_inputs[seg], self._inner.get(seg, [])
+            if not ins and not inner:
+                continue
+            q_in = [t for t in ins if t.quantizable]
+            q_inner = [t for t in inner if t.quantizable]
+            fixed_in = sum(t.fixed_bytes for t in ins)
+            fixed_inner = sum(t.fixed_bytes for t in inner)
+            again = self._referenced.get(seg, set())
+            known = bool(q_in) and not q_inner and all(t.name in c for t in q_in)
+            options = []
+            for b in self._ladder(known):
+                held_in = sum(self._bytes(t, b) for t in q_in) + fixed_in
+                held_inner = sum(self._bytes(t, b) for t in q_inner) + fixed_inner
+                held_again = sum(self._bytes(t, b) for t in ins if t.name in again)
+                sec = sum(timer.seconds(t.shape, b) for t in q_in + q_inner)
+                var = sum(c.get(t.name, 0.0) * S(b) for t in q_in)
+                mode = "keep" if b >= 32 else "compress"
+                if seg not in self._recompute_seconds:  # not recomputed: what it saved is all
+                    held_inner, held_again = 0, held_in
+                options.append(Option(mode, b, held_inner + held_again, 0, sec, var))
+                if seg in self._recompute_seconds:
+                    redo = self._recompute_seconds[seg]
+                    options.append(Option("recompute", b, held_in, held_inner, sec + redo, var))
+            orig = sum(t.orig_bytes for t in ins + inner)
+            units.append(Unit(seg, "segment", options, orig))
+        return units, fixed
+
+    # ---------------------------------------------------------------- report
+    def report(self) -> str:
+        """The plan per unit and predicted vs measured peak per step."""
+        state = self.plan_state
+        lines = [f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%})"]
+        if state is None:
+            lines.append("no plan yet: the first training step profiles")
+            return "\n".join(lines)
+        plan = state.plan
+        lines.append(
+            f"plan ({plan.solver}, profiled at step {state.profile_step}): predicted peak "
+            f"{format_bytes(state.predicted)} = rest {format_bytes(state.rest)} + fixed "
+            f"{format_bytes(state.fixed)} + plan {format_bytes(plan.memory)} + backward "
+            f"{format_bytes(state.transient)}; added time {1e3 * plan.seconds:.2f} ms"
+            + ("" if state.variance_cap is None else f"; variance {plan.variance:.3g} "
+               f"<= {state.variance_cap:.3g}")
+        )  # fmt: skip
+        lines.append(f"{'unit':<40} {'kind':<8} {'choice':<16} {'orig MB':>9} {'held MB':>9}")
+        for u in state.units:
+            o = plan.choice[u.name]
+            lines.append(
+                f"{u.name:<40} {u.kind:<8} {o.label:<16} {u.orig_bytes / 2**20:>9.3f} "
+                f"{(o.resident + o.transient) / 2**20:>9.3f}"
+            )
+        lines.append(
+            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'accounted':>12}"
+        )
+        for h in self.history[-10:]:
+            pred = "-" if h["predicted"] is None else format_bytes(h["predicted"])
+            meas = "-" if h["measured"] is None else format_bytes(h["measured"])
+            lines.append(
+                f"{h['step']:>6} {h['phase']:<8} {pred:>12} {meas:>12} "
+                f"{format_bytes(h['accounted']):>12}"
+            )
+        return "\n".join(lines)
+
+
+def attach_budget(ctl: Controller) -> BudgetPlanner:
+    """Give ``ctl`` a `BudgetPlanner` for ``ctl.config.memory_budget`` (`compress_gnn` does
+    this when a budget is set); kept as ``ctl.budget``."""
+    budget = ctl.config.memory_budget_bytes
+    if budget is None:
+        raise ValueError("attach_budget needs config.memory_budget")
+    margin = float(ctl.config.extra.get("budget_margin", DEFAULT_MARGIN))
+    planner = BudgetPlanner(ctl, budget, margin)
+    ctl.budget = planner
+    return planner

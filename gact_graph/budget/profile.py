@@ -1,0 +1,161 @@
+"""What the memory-budget planner measures: a step's peak, per-segment tensors and recompute
+time, and the (de)compression time of each tensor shape at each bit width."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gact_graph.core.quantize import quantize
+from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
+
+__all__ = ["TensorInfo", "StepMeter", "CodecTimer", "LiveBytes", "compressed_bytes"]
+
+
+def compressed_bytes(shape: tuple[int, ...], bits: int, group_size: int) -> int:
+    """Bytes a `QTensor` of ``shape`` holds at ``bits`` (codes plus group metadata)."""
+    lay = group_layout(shape, group_size)
+    return lay.packed_nbytes(bits) + lay.num_groups * META_BYTES_PER_GROUP
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One saved tensor as the planner sees it. ``quantizable``: a float activation the
+    controller quantizes at the plan's bits; otherwise it costs ``fixed_bytes`` whatever the
+    plan (masks, indices, small tensors, what graph-aware paths keep lossless)."""
+
+    name: str
+    shape: tuple[int, ...]
+    orig_bytes: int
+    quantizable: bool
+    fixed_bytes: int = 0
+    uses: int = 1  # saved this many times in one forward (shared: its own unit)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+class StepMeter:
+    """Peak memory of one training step, from the root forward's start to ``ctl.iterate()``.
+
+    CUDA: ``max_memory_allocated`` (absolute; ``start`` is ``memory_allocated`` then). CPU: the
+    process's resident set (VmHWM, reset at the start through ``/proc/self/clear_refs``);
+    ``start`` is VmRSS then. On CPU the resident set follows live bytes only when the C
+    allocator returns freed memory (``MALLOC_MMAP_THRESHOLD_``); otherwise a step can reuse
+    memory freed before it and the growth reads low, which the planner's lower bound on the
+    transient covers.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = 0
+        self.available = True
+
+    def begin(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.start = _rss("VmRSS")
+        except OSError:  # not Linux, or no permission: no measurement, the bound stands
+            self.available = False
+
+    def peak(self) -> int | None:
+        """The step's peak: absolute on CUDA, the resident set's high-water mark on CPU
+        (None where it cannot be read)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        if not self.available:
+            return None
+        with contextlib.suppress(OSError):
+            return _rss("VmHWM")
+        return None
+
+
+class CodecTimer:
+    """Seconds to quantize and dequantize a tensor of a given shape at a given width, measured
+    once per (shape, bits) on a random tensor on the model's device (shapes repeat across
+    the layers of a GNN, so this is a handful of measurements)."""
+
+    def __init__(self, device: torch.device, group_size: int, repeats: int = 3) -> None:
+        self.device = device
+        self.group_size = group_size
+        self.repeats = repeats
+        self._cache: dict[tuple[tuple[int, ...], int], float] = {}
+
+    def seconds(self, shape: tuple[int, ...], bits: int) -> float:
+        if bits >= 32 or math.prod(shape) == 0:
+            return 0.0
+        key = (tuple(shape), int(bits))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        x = torch.randn(shape, device=self.device)
+        best = math.inf
+        for i in range(self.repeats):
+            self._sync()
+            t0 = time.perf_counter()
+            quantize(x, bits, group_size=self.group_size, seed=i).dequantize()
+            self._sync()
+            best = min(best, time.perf_counter() - t0)
+        self._cache[key] = best
+        return best
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created while it is active and still alive (CPU profile
+    step): every op's outputs are counted once per storage until that storage is freed.
+
+    The resident set cannot stand in for it on CPU: the first step of a process also maps
+    code and thread pools, and the C allocator keeps freed memory, so RSS growth is neither
+    the step's live bytes nor repeatable. Checked at every op, so it costs Python time per op:
+    it runs for profile steps only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.bytes = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self.bytes -= self._live.pop(k)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self._live:
+                    self._live[ref.cdata] = (ref, storage.nbytes())
+                    self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        return out

@@ -1,0 +1,139 @@
+"""`compress_gnn(model, memory_budget=...)`: the budget is respected, an impossible budget
+raises before training naming the smallest feasible one, a new graph size re-plans, and a
+budget that allows everything kept gives stock's gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gact_graph import compress_gnn
+from gact_graph.budget import BudgetError
+from gact_graph.config import CompressionConfig, parse_bytes
+from gact_graph.models import build_model
+
+
+def _graph(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    ei = torch.randint(0, n, (2, 6 * n), generator=g)
+    return x, ei, torch.randint(0, 4, (n,), generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("gcnii", 16, 4, hidden_channels=64, num_layers=4, dropout=0.0)
+
+
+def _train(model, ctl, graph, steps):
+    x, ei, y = graph
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, ei), y).backward()
+        opt.step()
+        ctl.iterate()
+
+
+def _least_budget(graph) -> int:
+    """The smallest feasible budget the planner names for ``graph``."""
+    model = _model()
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    try:
+        _train(model, ctl, graph, 1)
+        st = ctl.budget.plan_state
+        from gact_graph.budget.planner import smallest_memory
+
+        least, _ = smallest_memory(st.units, st.variance_cap)
+        return int((st.rest + st.fixed + st.transient + least) / (1 - ctl.budget.margin)) + 1
+    finally:
+        ctl.remove()
+
+
+@pytest.fixture(scope="module")
+def least():
+    return _least_budget(_graph(1200))
+
+
+def test_budget_is_respected_and_tighter_budget_compresses(least):
+    graph = _graph(1200)
+    held = {}
+    for factor in (1.05, 4.0):
+        model = _model()
+        budget = int(least * factor)
+        ctl = compress_gnn(model, memory_budget=budget)
+        _train(model, ctl, graph, 3)
+        st = ctl.budget.plan_state
+        assert st.predicted <= budget * (1 - ctl.budget.margin)
+        for h in ctl.budget.history[1:]:  # planned steps: what was stored fits the prediction
+            assert h["phase"] == "planned"
+            assert h["accounted"] <= st.predicted
+        held[factor] = ctl.stats()["total"]["stored_bytes"]
+        report = ctl.report()
+        assert "memory budget" in report and "predicted peak" in report and "convs.0" in report
+        ctl.remove()
+    assert held[1.05] < held[4.0]  # a tighter budget holds fewer bytes
+
+
+def test_infeasible_budget_raises_before_backward_naming_the_smallest():
+    model = _model()
+    x, ei, y = _graph(1200)
+    ctl = compress_gnn(model, memory_budget="1MiB")
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is at least [0-9.]+ MiB"):
+        model(x, ei)  # the profile step's forward already knows
+    assert all(p.grad is None for p in model.parameters())
+    ctl.remove()
+
+
+def test_budget_between_bound_and_plan_raises_at_the_profile_step(least):
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least * 0.97))
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is [0-9.]+ MiB"):
+        _train(model, ctl, _graph(1200), 1)
+    ctl.remove()
+
+
+def test_replans_when_the_graph_size_changes(least):
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least * 2))
+    small, large = _graph(1200), _graph(1800, seed=1)
+    _train(model, ctl, small, 2)
+    first = ctl.budget.plan_state
+    _train(model, ctl, large, 2)
+    second = ctl.budget.plan_state
+    assert ctl.budget.profiles == 2 and second is not first
+    assert second.signature != first.signature
+    assert max(u.orig_bytes for u in second.units) > max(u.orig_bytes for u in first.units)
+    assert second.predicted <= int(least * 2) * (1 - ctl.budget.margin)
+    _train(model, ctl, small, 1)  # seen before: its plan is reused, no new profile step
+    assert ctl.budget.profiles == 2 and ctl.budget.plan_state is first
+    assert [h["phase"] for h in ctl.budget.history] == ["profile", "planned"] * 2 + ["planned"]
+    ctl.remove()
+
+
+def test_generous_budget_keeps_everything_and_matches_stock_gradients():
+    x, ei, y = _graph(800)
+    ref = _model()
+    F.cross_entropy(ref(x, ei), y).backward()
+    model = _model()
+    ctl = compress_gnn(model, memory_budget="8GiB", adaptive=False)
+    _train(model, ctl, (x, ei, y), 1)  # profile step (1 bit); the optimizer moved the weights
+    model.load_state_dict(ref.state_dict())
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x, ei), y).backward()
+    choices = {o.label for o in ctl.budget.plan_state.plan.choice.values()}
+    assert choices == {"keep"}
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    ctl.remove()
+
+
+def test_config_validates_the_budget():
+    assert CompressionConfig(memory_budget="512MB").memory_budget_bytes == 512 * 10**6
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert CompressionConfig(memory_budget=None).memory_budget_bytes is None
+    with pytest.raises(ValueError, match="not a size"):
+        CompressionConfig(memory_budget="16 gigs")
+    with pytest.raises(ValueError, match="positive"):
+        CompressionConfig(memory_budget=0)
+    with pytest.raises(TypeError, match="memory_budget"):
+        CompressionConfig(memory_budget=[1])

@@ -1,0 +1,92 @@
+"""The planner's program: the MILP against brute force, the greedy fallback, infeasibility."""
+
+import itertools
+import random
+
+import pytest
+
+from gact_graph.budget.planner import Option, Unit, greedy_plan, smallest_memory, solve_plan
+
+
+def _units(seed: int, n: int = 4) -> list[Unit]:
+    rng = random.Random(seed)
+    units = []
+    for i in range(n):
+        size = rng.randint(1_000, 100_000)
+        opts = [Option("keep", 32, size, 0, 0.0, 0.0)]
+        for b in (2, 4, 8):
+            opts.append(Option("compress", b, size * b // 32, 0, rng.uniform(1, 3) / b, 1.0 / b))
+        opts.append(Option("recompute", 2, size // 64, size // 16, rng.uniform(2, 6), 0.5))
+        units.append(Unit(f"u{i}", "segment", opts, size))
+    return units
+
+
+def _brute(units, capacity, var_cap):
+    best = None
+    for combo in itertools.product(*[u.options for u in units]):
+        mem = sum(o.resident for o in combo) + max(o.transient for o in combo)
+        var = sum(o.variance for o in combo)
+        if mem > capacity or (var_cap is not None and var > var_cap):
+            continue
+        t = sum(o.seconds for o in combo)
+        if best is None or t < best - 1e-12:
+            best = t
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_matches_brute_force(seed):
+    units = _units(seed)
+    total = sum(u.orig_bytes for u in units)
+    for frac, var_cap in [(0.5, None), (0.2, None), (0.3, 1.5)]:
+        cap = frac * total
+        want = _brute(units, cap, var_cap)
+        plan = solve_plan(units, cap, var_cap)
+        if want is None:
+            assert plan is None
+            continue
+        assert plan is not None and plan.solver == "milp"
+        assert plan.memory <= cap
+        assert var_cap is None or plan.variance <= var_cap * (1 + 1e-9)
+        assert plan.seconds == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_fallback_is_feasible(seed):
+    units = _units(seed)
+    cap = 0.3 * sum(u.orig_bytes for u in units)
+    plan = solve_plan(units, cap, 2.0, solver="greedy")
+    optimum = _brute(units, cap, 2.0)
+    if optimum is None:
+        assert plan is None
+        return
+    assert plan is not None and plan.solver == "greedy"
+    assert plan.memory <= cap and plan.variance <= 2.0 * (1 + 1e-9)
+    assert plan.seconds >= optimum - 1e-9
+
+
+def test_largest_transient_counts_once():
+    a = Unit("a", "segment", [Option("recompute", 2, 10, 100, 1.0)], 0)
+    b = Unit("b", "segment", [Option("recompute", 2, 10, 60, 1.0)], 0)
+    assert solve_plan([a, b], 120).memory == 120  # 10 + 10 + max(100, 60)
+    assert solve_plan([a, b], 119) is None
+    assert greedy_plan([a, b], 119) is None
+
+
+def test_smallest_memory_is_a_lower_bound_of_feasible_plans():
+    units = _units(3)
+    least, solver = smallest_memory(units)
+    assert solver == "milp"
+    assert solve_plan(units, least) is not None
+    assert solve_plan(units, least - 1) is None
+
+
+def test_time_is_minimized_when_memory_allows():
+    u = Unit("t", "tensor", [Option("keep", 32, 100, 0, 0.0), Option("compress", 2, 7, 0, 1.0)])
+    assert solve_plan([u], 1000).choice["t"].mode == "keep"
+    assert solve_plan([u], 50).choice["t"].bits == 2
+
+
+def test_unit_without_options_is_an_error():
+    with pytest.raises(ValueError, match="no option"):
+        solve_plan([Unit("x", "tensor", [])], 10)
