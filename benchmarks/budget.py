@@ -1,0 +1,212 @@
+"""Memory budget (issue 14): does ``compress_gnn(model, memory_budget=B)`` meet B, and how does
+its step time compare with the fastest fixed setting that also fits?
+
+For each model (GCN, GAT, GCNII, 64-layer GCNII on a small synthetic graph) every run is a
+fresh process with ``MALLOC_MMAP_THRESHOLD_`` set low, so that the resident set follows live
+bytes; it first warms up (one compressed and one stock step of a tiny model: libraries, thread
+pools), then takes its baseline RSS, builds graph and model, and trains ``--steps`` steps. A
+run's *peak* is the largest resident set above that baseline over **every** step (the
+planner's profile step included); its *step time* is the median of the steps after the first
+two.
+
+- stock: no compression; its peak sets the budgets (``--fractions``, default 30/10/5 %);
+- brute force: fixed ``bits`` in {1, 2, 4, 8} x ``opt_level`` in {L1, CB1} (``adaptive=False``;
+  L2 only on CUDA, so not here);
+- planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference).
+
+    python benchmarks/budget.py [--models gcn gat gcnii gcnii64] [--json docs/results/budget.json]
+
+Prints a table and writes JSON. CPU only: the ogbn-products GAT row under 16 GiB waits for a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: import the checkout's package
+    sys.path.insert(0, str(ROOT))
+
+#: model -> (builder name, layers, nodes); features 16, hidden 64, 8 classes, 8 edges per node
+MODELS = {
+    "gcn": ("gcn", 3, 8_000),
+    "gat": ("gat", 3, 3_000),
+    "gcnii": ("gcnii", 8, 4_000),
+    "gcnii64": ("gcnii", 64, 1_500),
+}
+FIXED = [(b, lvl) for lvl in ("L1", "CB1") for b in (1, 2, 4, 8)]
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
+def _graph(n: int, f: int = 16, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, f, generator=g)
+    ei = torch.randint(0, n, (2, 8 * n), generator=g)
+    y = torch.randint(0, 8, (n,), generator=g)
+    return x, ei, y
+
+
+def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.harness import build_model
+    from gact_graph import compress_gnn
+    from gact_graph.budget import BudgetError
+
+    name, layers, _ = MODELS[model_key]
+
+    def one_run(nodes, layers, setting, steps, record):
+        x, ei, y = _graph(nodes)
+        torch.manual_seed(0)
+        model = build_model(name, 16, 8, num_layers=layers, hidden_channels=64)
+        ctl = compress_gnn(model, **setting) if setting is not None else None
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        peaks, times = [], []
+        try:
+            for _ in range(steps):
+                with open("/proc/self/clear_refs", "w") as fh:
+                    fh.write("5")
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x, ei), y).backward()
+                opt.step()
+                if ctl is not None:
+                    ctl.iterate()
+                times.append(time.perf_counter() - t0)
+                peaks.append(_rss("VmHWM") - record)
+        finally:
+            extra = {}
+            if ctl is not None and getattr(ctl, "budget", None) is not None:
+                st = ctl.budget.plan_state
+                if st is not None:
+                    extra = {
+                        "predicted": st.predicted,
+                        "choices": {n: o.label for n, o in st.plan.choice.items()},
+                        "solver": st.plan.solver,
+                    }
+            if ctl is not None:
+                ctl.remove()
+        return peaks, times, extra
+
+    warm = {"bits": 1, "adaptive": False, "opt_level": "CB1"}
+    for s in (warm, None, setting):  # libraries, thread pools, kernels: before the baseline
+        try:
+            one_run(256, min(layers, 3), s, 2, 0)
+        except BudgetError:
+            pass
+    import gc
+
+    gc.collect()
+    base = _rss("VmRSS")
+    out = {"model": model_key, "setting": setting, "nodes": n}
+    try:
+        peaks, times, extra = one_run(n, layers, setting, steps, base)
+    except BudgetError as exc:
+        out.update(error=str(exc))
+        return out
+    out.update(peaks=peaks, times=times, peak=max(peaks), extra=extra)
+    out["step_time"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+    return out
+
+
+def _child(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    setting = json.loads(args.setting)
+    res = _train(args.model, setting, MODELS[args.model][2], args.steps)
+    print("RESULT " + json.dumps(res))
+
+
+def _run(model: str, setting: dict | None, steps: int) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, __file__, "--child", "--model", model, "--setting", json.dumps(setting)]
+    cmd += ["--steps", str(steps)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"model": model, "setting": setting, "error": (p.stderr or p.stdout)[-2000:]}
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.30, 0.10, 0.05])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--setting", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+        return
+    results = []
+    print(
+        f"{'model':<8} {'budget':>6} {'B MiB':>7} | {'planner MiB':>11} {'pred MiB':>8} "
+        f"{'met':>4} {'ms':>7} | {'fastest fitting fixed':<22} {'ms':>7} {'ratio':>6}"
+    )
+    for model in args.models:
+        stock = _run(model, None, args.steps)
+        fixed = {f"{b}-bit {lvl}": _run(model, {"bits": b, "adaptive": False, "opt_level": lvl},
+                                        args.steps) for b, lvl in FIXED}  # fmt: skip
+        row = {"model": model, "stock": stock, "fixed": fixed, "budgets": []}
+        if "peak" not in stock:
+            print(f"{model}: stock failed: {stock.get('error')}")
+            results.append(row)
+            continue
+        print(
+            f"{model:<8} stock peak {_mib(stock['peak'])} MiB, {1e3 * stock['step_time']:.1f} ms; "
+            + ", ".join(f"{k} {_mib(v.get('peak'))}" for k, v in fixed.items())
+        )
+        for frac in args.fractions:
+            budget = int(frac * stock["peak"])
+            plan = _run(model, {"memory_budget": budget}, args.steps)
+            fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
+            best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
+            entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
+            row["budgets"].append(entry)
+            met = "peak" in plan and plan["peak"] <= budget
+            pms = 1e3 * plan["step_time"] if "peak" in plan else None
+            bms = 1e3 * fits[best]["step_time"] if best else None
+            ratio = pms / bms if pms and bms else None
+            entry["ratio"] = ratio
+            pred = plan.get("extra", {}).get("predicted")
+            print(
+                f"{model:<8} {frac:>6.0%} {_mib(budget):>7} | "
+                f"{_mib(plan.get('peak')) if 'peak' in plan else 'error':>11} {_mib(pred):>8} "
+                f"{('yes' if met else 'NO'):>4} {'-' if pms is None else f'{pms:.1f}':>7} | "
+                f"{best or 'none fits':<22} {'-' if bms is None else f'{bms:.1f}':>7} "
+                f"{'-' if ratio is None else f'{ratio:.2f}':>6}"
+            )
+            if "error" in plan:
+                print(f"         planner: {plan['error'][-400:]}")
+        results.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
