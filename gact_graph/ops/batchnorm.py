@@ -34,6 +34,18 @@ from gact_graph.config import DOUBLE_BACKWARD_HELP
 __all__ = ["BatchNormFunction", "batch_norm"]
 
 
+def _channel_dot(g: Tensor, xh: Tensor, dims: list[int]) -> Tensor:
+    """``(g * xh).sum(dims)``; for (N, C) inputs summed over row chunks, so that no N x C
+    product is held."""
+    if g.dim() != 2:
+        return (g * xh).sum(dims)
+    out = g.new_zeros(g.shape[1])
+    step = max(1, (1 << 18) // max(g.shape[1], 1))
+    for r0 in range(0, g.shape[0], step):
+        out += (g[r0 : r0 + step] * xh[r0 : r0 + step]).sum(0)
+    return out
+
+
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
 
@@ -70,14 +82,17 @@ class BatchNormFunction(torch.autograd.Function):
         g, xh = grad.to(acc), xhat.to(acc)
         m = g.numel() // g.shape[1]
         dbeta = g.sum(dims)
-        dgamma = (g * xh).sum(dims)
+        dgamma = _channel_dot(g, xh, dims)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
+            # dx = scale * (m g - dbeta - xh dgamma), written so that one input-sized tensor
+            # is made (the probe replays this backward on top of the user's: it adds up)
             scale = invstd.to(acc) / m
             if weight is not None:
                 scale = scale * weight.to(acc)
-            dx = g * m - _channel_view(dbeta, nd) - xh * _channel_view(dgamma, nd)
-            dx = (dx * _channel_view(scale, nd)).to(grad.dtype)
+            dx = xh * _channel_view(-scale * dgamma, nd)
+            dx.addcmul_(g, _channel_view(scale * m, nd)).sub_(_channel_view(scale * dbeta, nd))
+            dx = dx.to(grad.dtype)
         if weight is not None and ctx.needs_input_grad[3]:
             dw = dgamma.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:

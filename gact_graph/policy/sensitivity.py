@@ -313,28 +313,55 @@ def rounding_variance_factor(
     return 6.0 * float((st2 * ff).sum()) / den if den > 0 else 1.0
 
 
-def _rounding_noise(q: QTensor, x_hat: Tensor, seed: int, kappa: float = 1.0) -> Tensor:
-    """A Rademacher vector shaped like ``x_hat``, scaled per element to ``kappa`` times the
-    average stochastic-rounding variance of its group, ``step^2 / 6`` (the mean of
-    ``f (1 - f)`` over a uniform fractional part ``f``; ``kappa`` from
-    :func:`rounding_variance_factor`), and zero on exact zeros (ReLU outputs sitting on a level
-    have no rounding noise)."""
-    if q.num_groups == 0 or kappa <= 0:
-        return torch.zeros_like(x_hat, dtype=torch.float32)
+#: elements per chunk when the probe walks a tensor: its temporaries stay ~1 MB, never
+#: tensor-sized (a tensor-sized temporary on a probed step is what issue 13 is about)
+_CHUNK = 1 << 18
+
+
+def _row_chunks(q: QTensor):
+    """``(r0, r1)`` row ranges of ``q``'s 2-D layout of about `_CHUNK` elements, aligned to its
+    groups (a group never straddles two chunks)."""
+    lay = q.layout
+    rpg = lay.rows_per_group
+    chunk = max(rpg, _CHUNK // max(lay.cols, 1) // rpg * rpg)
+    for r0 in range(0, lay.rows, chunk):
+        yield r0, min(lay.rows, r0 + chunk)
+
+
+def _add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) -> Tensor:
+    """Add to ``x`` (contiguous, shaped like ``q``'s tensor) in place a Rademacher vector scaled
+    per element to ``kappa`` times the average stochastic-rounding variance of its group,
+    ``step^2 / 6`` (the mean of ``f (1 - f)`` over a uniform fractional part ``f``; ``kappa``
+    from :func:`rounding_variance_factor`), zero on exact zeros (ReLU outputs sitting on a
+    level have no rounding noise). Drawn in row chunks, so the only temporaries are
+    chunk-sized; the same ``seed`` gives the same draw."""
+    lay = q.layout
+    if q.num_groups == 0 or kappa <= 0 or x.numel() == 0:
+        return x
     _, step = _group_steps(q)
-    nz = _grouped(q, x_hat, 0.0) != 0
-    gen = torch.Generator(device=x_hat.device)
+    std = step[:, 0].float() * math.sqrt(kappa / 6.0)  # per group
+    rpg, gpr, g = lay.rows_per_group, lay.groups_per_row, lay.group_size
+    x2 = x.view(lay.rows, lay.cols)
+    gen = torch.Generator(device=x.device)
     gen.manual_seed(seed)
-    sign = torch.randint(0, 2, nz.shape, generator=gen, device=x_hat.device, dtype=torch.int8)
-    eps = (sign.float() * 2 - 1).mul_(step * math.sqrt(kappa / 6.0)).mul_(nz)
-    return _ungrouped(q, eps)
+    for r0, r1 in _row_chunks(q):
+        xc = x2[r0:r1]
+        sign = torch.randint(0, 2, xc.shape, generator=gen, device=x.device, dtype=torch.int8)
+        if rpg > 1:  # a group holds rpg whole rows
+            s = std[torch.arange(r0, r1, device=x.device) // rpg][:, None]
+        else:  # a row holds gpr groups of g columns
+            s = std[r0 * gpr : r1 * gpr].view(r1 - r0, gpr).repeat_interleave(g, dim=1)
+            s = s[:, : lay.cols]
+        noise = sign.float().mul_(2).sub_(1).mul_(s).mul_(xc != 0)
+        xc.add_(noise.to(xc.dtype))
+    return x
 
 
 def row_rounding_variance(x: Tensor, q: QTensor, kappa: float = 1.0) -> Tensor:
     """Per row ``i`` of the 2-D ``x`` quantized as ``q``: the summed rounding variance of its
     elements, ``s_i = kappa * sum_j step_g(ij)^2 / 6 * [x_ij != 0]`` (fp32, shape ``(rows,)``),
-    the model `_rounding_noise` draws from. Computed in row chunks of at most ~4M elements, so
-    it never holds a tensor-sized temporary."""
+    the model `_add_rounding_noise_` draws from. Computed in row chunks (`_row_chunks`), so it
+    never holds a tensor-sized temporary."""
     lay = q.layout
     rows, cols = x.shape
     out = torch.zeros(rows, dtype=torch.float32, device=x.device)
@@ -343,9 +370,7 @@ def row_rounding_variance(x: Tensor, q: QTensor, kappa: float = 1.0) -> Tensor:
     _, step = _group_steps(q)
     var = step[:, 0].float().square() * (kappa / 6.0)  # per group
     rpg, gpr, g = lay.rows_per_group, lay.groups_per_row, lay.group_size
-    chunk = max(rpg, (1 << 22) // max(cols, 1) // rpg * rpg)
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
+    for r0, r1 in _row_chunks(q):
         nz = x[r0:r1] != 0
         if rpg > 1:  # a group holds rpg whole rows
             out[r0:r1] = (
@@ -368,10 +393,12 @@ _NORM_PRESERVING = frozenset(
 )  # fmt: skip
 
 
-def _matmul_param_index(node, param_ids: set[int]) -> int | None:
-    """For ``mm`` / ``addmm`` nodes: the position of ``mat2`` among the node's inputs when its
-    gradient reaches the ``AccumulateGrad`` of one of ``param_ids`` through norm-preserving
-    nodes only; else ``None``."""
+def _matmul_kind(node, param_ids: set[int]) -> tuple[int, bool] | None:
+    """For ``mm`` / ``addmm`` nodes whose ``mat2`` is a parameter or computed from parameters
+    only: ``(position of mat2 among the node's inputs, exact)``, ``exact`` when mat2's gradient
+    reaches one parameter through norm-preserving nodes only (a linear layer's weight), else
+    ``False`` (e.g. GAT's attention vector folded into the weight, ``W^T a``); ``None`` for
+    every other node."""
     try:
         name = node.name()
     except Exception:  # Python Function nodes without a name
@@ -379,8 +406,43 @@ def _matmul_param_index(node, param_ids: set[int]) -> int | None:
     k = {"MmBackward0": 1, "AddmmBackward0": 2}.get(name)
     if k is None or len(node.next_functions) <= k:
         return None
-    var = getattr(_past_norm_preserving(node.next_functions[k][0]), "variable", None)
-    return k if var is not None and id(var) in param_ids else None
+    fn = node.next_functions[k][0]
+    var = getattr(_past_norm_preserving(fn), "variable", None)
+    if var is not None and id(var) in param_ids:
+        return k, True
+    return (k, False) if fn is not None and _parameters_only(fn, param_ids) else None
+
+
+def _parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
+    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
+    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
+    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
+    touches parameter-sized tensors only."""
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if len(seen) > limit:
+            return False
+        var = getattr(f, "variable", None)
+        if var is not None:
+            if id(var) not in param_ids:
+                return False
+            continue
+        for nxt, _ in f.next_functions:
+            if nxt is None:
+                return False
+            stack.append(nxt)
+    return True
+
+
+def _shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
+    """Whether ``t`` shares memory with any of ``others`` (so writing into it is not safe)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 def _past_norm_preserving(fn):
@@ -388,6 +450,16 @@ def _past_norm_preserving(fn):
     while fn is not None and fn.name() in _NORM_PRESERVING and len(fn.next_functions) == 1:
         fn = fn.next_functions[0][0]
     return fn
+
+
+class _Seeds:
+    """The noise one replay put into the gradients of activations: ``grads[i]`` enters the
+    graph at ``edges[i]``; carried to the parameters together (same noise draw)."""
+
+    __slots__ = ("name", "edges", "grads", "done")
+
+    def __init__(self, name: str, edges: list, grads: list[Tensor]) -> None:
+        self.name, self.edges, self.grads, self.done = name, edges, grads, False
 
 
 class SensitivityProbe:
@@ -430,7 +502,12 @@ class SensitivityProbe:
         self._ctl_own: dict[str, Any] = {}
         self._kappa = weakref.WeakKeyDictionary()  # Stored -> rounding_variance_factor
         self._row_var = weakref.WeakKeyDictionary()  # Stored -> per-row rounding variance
-        self._matmul_k: dict[int, int] = {}  # id(node) -> mat2's slot, for closed-form nodes
+        self._matmul_k: dict[int, tuple[int, bool]] = {}  # id(node) -> `_matmul_kind`
+        # noise to propagate, deferred to the pre-hook of the first node it enters:
+        # id(node) -> [_Seeds of every replay whose noise enters that node]; see `_defer`
+        self._pending: dict[int, list[_Seeds]] = {}
+        self._open: dict[str, int] = {}  # name -> seeds of it still pending
+        self._reads_done: dict[str, int] = {}  # name -> reads of it probed so far
 
     # ---------------------------------------------------------------- arming
     def arm(self) -> None:
@@ -537,13 +614,15 @@ class SensitivityProbe:
         python_node = not callable(node)
 
         # decided once per node, when the forward's graph is hooked
-        k = _matmul_param_index(node, self._param_ids) if self.closed_form else None
-        if k is not None:
-            self._matmul_k[id(node)] = k
-        matmul = k is not None
+        kind = _matmul_kind(node, self._param_ids) if self.closed_form else None
+        if kind is not None:
+            self._matmul_k[id(node)] = kind
+        matmul = kind is not None
 
         def hook(grad_outputs):
             if not self._busy():
+                for seeds in self._pending.pop(id(node), ()):
+                    self._propagate(seeds)
                 self._tls.reads = []
                 # a matmul's estimate is closed-form: it needs no dequantized copy kept alive
                 self._tls.keep_values = not matmul
@@ -572,7 +651,9 @@ class SensitivityProbe:
             try:
                 self.ran = True
                 done: set[int] = set()
-                for stored, x_hat, shape in reads:
+                for i in range(len(reads)):
+                    stored, x_hat, shape = reads[i]
+                    reads[i] = None  # the probe may write its noise into x_hat: hold it once
                     if id(stored) in done or not self._is_candidate(stored):
                         continue
                     done.add(id(stored))
@@ -584,6 +665,7 @@ class SensitivityProbe:
                         self._probe(node, stored, x_hat, grad_inputs, grad_outputs, side_effects)
                     except Exception as exc:  # a node we cannot replay: say so, never break
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
+                    x_hat = None
             finally:
                 self._tls.busy = False
                 self.seconds += time.perf_counter() - t0
@@ -609,17 +691,27 @@ class SensitivityProbe:
     # ---------------------------------------------------------------- the estimate
     def _matmul_closed_form(self, node, stored, shape, grad_outputs) -> bool:
         r"""The estimate of a tensor read as ``mat1`` by ``mm``/``addmm`` whose ``mat2`` is a
-        parameter (a linear layer's input): the noise reaches that parameter's gradient as
-        :math:`\alpha\, \varepsilon^T G` and nothing else (``grad_mat1 = G\, mat2^T`` does
-        not read ``mat1``), so :math:`E\lVert\delta\rVert^2 = \alpha^2 \sum_i
-        \lVert G_i\rVert^2 s_i` exactly, with :math:`s_i` the row's rounding variance
-        (`row_rounding_variance`, taken when the tensor was packed). No replay, no partial
-        backward, no temporary larger than a row vector (ActNN's analysis of linear layers).
-        ``False`` when the node is not such a matmul: the replay estimates it."""
+        parameter or a function of parameters only (`_matmul_kind`): the noise reaches
+        ``grad_mat2`` as :math:`\delta = \alpha\, \varepsilon^T G` and nothing else
+        (``grad_mat1 = G\, mat2^T`` does not read ``mat1``; ActNN's analysis of linear layers).
+
+        - ``mat2`` a parameter (a linear layer's weight): :math:`E\lVert\delta\rVert^2 =
+          \alpha^2 \sum_i \lVert G_i\rVert^2 s_i` exactly, with :math:`s_i` the row's
+          rounding variance (`row_rounding_variance`, taken when the tensor was packed);
+        - ``mat2`` computed from parameters (GAT's attention vector folded into the weight):
+          one draw of :math:`\delta` (``K x M``, the size of ``mat2``), summed over row chunks of
+          a noise with each row's variance :math:`s_i` spread evenly over its ``K`` columns,
+          then carried to the parameters by a partial backward from ``mat2``'s node, which
+          touches parameter-sized tensors only.
+
+        No replay and no temporary larger than a row chunk either way. Readers of one tensor
+        estimated this way are counted without their cross-correlations (each draws its own
+        noise). ``False`` when the node is not such a matmul: the replay estimates it."""
         row_var = self._row_var.get(stored)
-        k = self._matmul_k.get(id(node))
-        if row_var is None or k is None or grad_outputs[0] is None:
+        kind = self._matmul_k.get(id(node))
+        if row_var is None or kind is None or grad_outputs[0] is None:
             return False
+        k, exact = kind
         if k == 1:
             mat1, mat2 = node._saved_self_sym_sizes, node._saved_mat2_sym_sizes
         else:
@@ -629,30 +721,54 @@ class SensitivityProbe:
             return False
         g = grad_outputs[0]
         alpha = float(getattr(node, "_saved_alpha", 1.0))
-        g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float32).square_()
-        energy = alpha**2 * float((g_sq.double() * row_var.double()).sum())
-        self._sq[stored.name] = self._sq.get(stored.name, 0.0) + energy
+        if exact:
+            g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float32).square_()
+            energy = alpha**2 * float((g_sq.double() * row_var.double()).sum())
+            self._sq[stored.name] = self._sq.get(stored.name, 0.0) + energy
+        else:
+            if math.prod(mat2) > math.prod(mat1):  # not small: the replay is no dearer
+                return False
+            delta = self._sketch_grad_mat2(stored, row_var, g, alpha)
+            fn, nr = node.next_functions[k]
+            acc = self._acc.setdefault(stored.name, {})
+            self._grad_into(acc, [GradientEdge(fn, nr)], [delta])
         self._bits[stored.name] = stored.payload.bits
         self._numel[stored.name] = stored.payload.numel()
         self.ran = True
+        self._finish_read(stored.name)
         return True
 
-    def _noisy(self, stored, x_hat: Tensor) -> tuple[Tensor, int]:
-        """``x_hat`` plus its probing noise. Drawn again at every read from the tensor's own
+    def _sketch_grad_mat2(self, stored, row_var: Tensor, g: Tensor, alpha: float) -> Tensor:
+        """One draw of ``alpha * eps^T g`` (see `_matmul_closed_form`), in row chunks."""
+        rows, cols = g.shape[0], int(stored.payload.shape[-1])
+        n = self._reads_done.get(stored.name, 0)
+        gen = torch.Generator(device=g.device)
+        gen.manual_seed(_stable_seed(self.seed, stored.name, "sketch", n))
+        delta = torch.zeros(cols, g.shape[1], dtype=torch.float32, device=g.device)
+        step = max(1, _CHUNK // max(cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            z = torch.randint(0, 2, (r1 - r0, cols), generator=gen, device=g.device)
+            z = z.float().mul_(2).sub_(1).mul_((row_var[r0:r1] / cols).sqrt_()[:, None])
+            delta.addmm_(z.t(), g[r0:r1].float())
+        return delta.mul_(alpha).to(g.dtype)
+
+    def _noisy(self, stored, x_hat: Tensor, reusable: bool) -> tuple[Tensor, int]:
+        """``x_hat`` plus its probing noise: drawn again at every read from the tensor's own
         seed (the same draw each time, so the nodes reading one tensor see correlated noise),
-        never cached: a cache held a full-precision copy of every probed tensor until the end
-        of backward, which made re-planning steps peak at 2.3x the fixed-bit step."""
+        never cached (a cache held a full-precision copy of every probed tensor until the end
+        of backward, which made re-planning steps peak at 2.3x the fixed-bit step). Added in
+        place when ``reusable`` (a dequantized copy nothing else holds), else to a copy."""
         p = stored.payload
         seed = _stable_seed(self.seed, stored.name)
+        noisy = x_hat if reusable and x_hat.is_contiguous() else x_hat.contiguous().clone()
         if isinstance(p, QTensor):
             bits = p.bits
-            eps = _rounding_noise(p, x_hat, seed, self._kappa.get(stored, 1.0))
+            _add_rounding_noise_(p, noisy, seed, self._kappa.get(stored, 1.0))
         else:  # kept as is (planned 32 bits): the noise 8-bit rounding would add
             bits = 8
             q8 = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)
-            eps = _rounding_noise(q8, x_hat, seed, rounding_variance_factor(p, q8, seed=seed))
-        noisy = eps.add_(x_hat).to(x_hat.dtype)
-        del eps
+            _add_rounding_noise_(q8, noisy, seed, rounding_variance_factor(p, q8, seed=seed))
         self._bits[stored.name] = bits
         self._numel[stored.name] = x_hat.numel()
         return noisy, bits
@@ -698,7 +814,14 @@ class SensitivityProbe:
     def _probe(
         self, node, stored, x_hat, grad_inputs, grad_outputs, side_effects: bool = False
     ) -> None:
-        noisy, bits = self._noisy(stored, x_hat)
+        """Replay ``node`` with ``x_hat`` plus noise; what the noise changes in a parameter's
+        gradient is added at once, what it changes in an activation's gradient is carried to
+        the parameters by a partial backward from the node it enters (`_defer`)."""
+        # the backward's own tensors: nothing here may write into them
+        theirs = [t for t in (*grad_inputs, *grad_outputs) if isinstance(t, Tensor)]
+        reusable = isinstance(stored.payload, QTensor) and not _shares_storage(x_hat, theirs)
+        noisy, bits = self._noisy(stored, x_hat, reusable)
+        del x_hat
         acc = self._acc.setdefault(stored.name, {})
         if side_effects:
             # e.g. torch.utils.checkpoint(use_reentrant=True): the node's parameter gradients
@@ -714,14 +837,20 @@ class SensitivityProbe:
                     self._add(acc, p, a - (0 if b is None else b))
         else:
             out = self._replay_noisy(node, stored, noisy, grad_outputs)
+        theirs.append(noisy)
+        out = list(out)
         edges, seeds = [], []
-        for k, (o, base) in enumerate(zip(out, grad_inputs)):
-            if o is None or base is None:
+        for k, base in enumerate(grad_inputs):
+            o = out[k] if k < len(out) else None
+            out[k : k + 1] = [None]  # one reference less: `d` may reuse its memory
+            if o is None or base is None or not o.is_floating_point():
                 continue
             if o.shape != base.shape:  # the engine sums broadcast gradients after the node
                 o = o.sum_to_size(base.shape)
-            d = (o - base).detach()
-            if not d.is_floating_point() or not bool(torch.any(d != 0)):
+            # in place where the replay's output is its own tensor: one tensor less at a time
+            d = o.detach().sub_(base) if not _shares_storage(o, theirs) else (o - base).detach()
+            del o
+            if not bool(d.any()):
                 continue
             fn, nr = node.next_functions[k]
             if fn is None:
@@ -733,19 +862,61 @@ class SensitivityProbe:
                 continue
             edges.append(GradientEdge(fn, nr))
             seeds.append(d)
-        if edges and self._params:
-            res = torch.autograd.grad(
-                edges, self._params, seeds, retain_graph=True, allow_unused=True
-            )
-            for p, r in zip(self._params, res):
-                if r is not None:
-                    self._add(acc, p, r)
-        # A tensor saved once is read by this node only: reduce it to its squared norm now
-        # rather than hold a parameter-sized vector per tensor until the end of backward.
-        rec = getattr(self.ctl, "_record_of", {}).get(stored.name)
-        if rec is not None and rec.get("uses") == 1:
-            acc = self._acc.pop(stored.name)
-            self._sq[stored.name] = self._sq.get(stored.name, 0.0) + sum(
+        noisy = out = d = None  # released before the deferred partial backward runs
+        if edges:
+            self._defer(_Seeds(stored.name, edges, seeds))
+        self._finish_read(stored.name)
+
+    def _defer(self, seeds: _Seeds) -> None:
+        """Carry a replay's noise in the gradients it emits to the parameters later, in one
+        partial backward from the first of the nodes it enters to run (its pre-hook): by then
+        the user's backward has released the gradients of the replayed node, so the partial
+        backward runs on top of one tensor fewer or two than it would right after the replay,
+        and none of the nodes below has run yet."""
+        for edge in seeds.edges:
+            self._pending.setdefault(id(edge.node), []).append(seeds)
+        self._open[seeds.name] = self._open.get(seeds.name, 0) + 1
+
+    def _propagate(self, seeds: _Seeds) -> None:
+        """The partial backward deferred by `_defer` (once, from whichever node runs first)."""
+        if seeds.done:
+            return
+        seeds.done = True
+        t0 = time.perf_counter()
+        self._tls.busy = True
+        name = seeds.name
+        try:
+            self._grad_into(self._acc.setdefault(name, {}), seeds.edges, seeds.grads)
+        except Exception as exc:  # never break the user's backward
+            self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
+        finally:
+            seeds.edges, seeds.grads = [], []
+            self._tls.busy = False
+            self.seconds += time.perf_counter() - t0
+        self._open[name] -= 1
+        self._finish_read(name, read=False)
+
+    def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
+        """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""
+        if not self._params:
+            return
+        res = torch.autograd.grad(edges, self._params, seeds, retain_graph=True, allow_unused=True)
+        for p, r in zip(self._params, res):
+            if r is not None:
+                self._add(acc, p, r)
+
+    def _finish_read(self, name: str, read: bool = True) -> None:
+        """Count one probed read of ``name``; once every read of it is probed and all its
+        deferred seeds are carried, reduce its parameter-sized vectors to a squared norm rather
+        than hold them until the end of backward."""
+        if read:
+            self._reads_done[name] = self._reads_done.get(name, 0) + 1
+        rec = getattr(self.ctl, "_record_of", {}).get(name)
+        if rec is None or self._reads_done.get(name, 0) < rec.get("uses", 1):
+            return
+        if self._open.get(name, 0) == 0 and name in self._acc:
+            acc = self._acc.pop(name)
+            self._sq[name] = self._sq.get(name, 0.0) + sum(
                 float(v.square().sum()) for v in acc.values()
             )
 
@@ -779,6 +950,9 @@ class SensitivityProbe:
             h.remove()
         self._node_handles.clear()
         self._matmul_k.clear()
+        self._pending.clear()
+        self._open.clear()
+        self._reads_done.clear()
         self._override.clear()
         self._acc.clear()
         self._sq.clear()
