@@ -41,7 +41,7 @@ from gact_graph.datasets import (  # noqa: E402
     evaluate,
     load_dataset,
 )
-from gact_graph.memory import peak_memory  # noqa: E402
+from gact_graph.memory import count_saved_bytes, peak_memory  # noqa: E402
 
 
 def rank_batches(args, data, cfg, seed: int, rank: int, world: int):
@@ -74,12 +74,14 @@ def run_seed(seed, data, args, cfg, rank: int, world: int, device) -> dict[str, 
     loss_fn = F.binary_cross_entropy_with_logits if data.multilabel else F.cross_entropy
     torch.manual_seed(seed * 1000 + rank)  # each rank its own dropout masks
     best = {"val": -math.inf, "epoch": -1}
-    stored, epoch_times = [], []
-    with peak_memory(device) as peak:
-        for epoch in range(cfg["epochs"]):
-            ddp.train()
-            start = time.perf_counter()
-            batches, steps, seeds_of = rank_batches(args, data, cfg, seed + epoch, rank, world)
+    measured, epoch_times = [], []  # (batch, rows, stored bytes) of the last epoch's first
+    peak_bytes = 0
+    for epoch in range(cfg["epochs"]):
+        ddp.train()
+        measured = []
+        start = time.perf_counter()
+        batches, steps, seeds_of = rank_batches(args, data, cfg, seed + epoch, rank, world)
+        with peak_memory(device) as peak:  # training only, as train_minibatch.py measures
             for _, batch in zip(range(steps), batches):
                 batch = batch.to(device)
                 rows = seeds_of(batch)
@@ -98,29 +100,40 @@ def run_seed(seed, data, args, cfg, rank: int, world: int, device) -> dict[str, 
 
                 train_step()
                 optimizer.step()
+                if len(measured) < args.measure_batches:
+                    nbytes = None if ctl is None else ctl.stats()["total"]["stored_bytes"]
+                    measured.append((batch, rows, nbytes))
                 if ctl is not None:
-                    stored.append(ctl.stats()["total"])
                     # the adaptive probe rides on the next step's backward; no step_fn, whose
                     # extra backward would be one more all-reduce than the other ranks run
                     ctl.iterate()
-            epoch_times.append(time.perf_counter() - start)
-            if rank == 0:
-                ddp.eval()
-                with torch.no_grad():
-                    out = ddp.module(data.x, data.edge_index)
-                metrics = {
-                    s: evaluate(data, out, data.y, getattr(data, f"{s}_mask"))
-                    for s in ("train", "val", "test")
-                }
-                if metrics["val"] > best["val"]:
-                    best = {**metrics, "epoch": epoch}
-                print(f"seed {seed} epoch {epoch}: val {metrics['val']:.4f}", flush=True)
+        peak_bytes = max(peak_bytes, peak.peak_bytes)
+        epoch_times.append(time.perf_counter() - start)
+        if rank == 0:
+            ddp.eval()
+            with torch.no_grad():
+                out = ddp.module(data.x, data.edge_index)
+            metrics = {
+                s: evaluate(data, out, data.y, getattr(data, f"{s}_mask"))
+                for s in ("train", "val", "test")
+            }
+            if metrics["val"] > best["val"]:
+                best = {**metrics, "epoch": epoch}
+            print(f"seed {seed} epoch {epoch}: val {metrics['val']:.4f}", flush=True)
     if ctl is not None:
         ctl.remove()
-    orig = statistics.fmean(s["orig_bytes"] for s in stored) if stored else 0
-    kept = statistics.fmean(s["stored_bytes"] for s in stored) if stored else 0
-    mine = {"rank": rank, "peak_memory_bytes": int(peak.peak_bytes),
-            "activation_bytes_orig": int(orig), "activation_bytes_stored": int(kept)}  # fmt: skip
+    # stock PyTorch's saved bytes on the same batches, on the bare module (no DDP, no
+    # all-reduce) with the RNG restored
+    model.train()
+    fp32, stored = [], []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for batch, rows, nbytes in measured:
+            fwd = lambda b=batch, r=rows: model(b.x, b.edge_index)[r]  # noqa: E731
+            fp32.append(count_saved_bytes(fwd, model))
+            stored.append(fp32[-1] if nbytes is None else nbytes)
+    mine = {"rank": rank, "peak_memory_bytes": int(peak_bytes),
+            "activation_bytes_fp32": int(statistics.fmean(fp32)),
+            "activation_bytes_stored": int(statistics.fmean(stored))}  # fmt: skip
     ranks: list[Any] = [None] * world
     dist.all_gather_object(ranks, mine)
     params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
@@ -135,9 +148,8 @@ def run_seed(seed, data, args, cfg, rank: int, world: int, device) -> dict[str, 
         "val_metric": best["val"],
         "test_metric": best.get("test"),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
-        # bytes of each rank's batches as the controller counted them (graph-aware paths on);
-        # train_minibatch.py measures stock PyTorch's bytes per batch
-        "activation_bytes_fp32": int(statistics.fmean(r["activation_bytes_orig"] for r in ranks)),
+        # per batch: stock PyTorch's bytes and the controller's, on each rank's own batches
+        "activation_bytes_fp32": int(statistics.fmean(r["activation_bytes_fp32"] for r in ranks)),
         "activation_bytes_stored": int(
             statistics.fmean(r["activation_bytes_stored"] for r in ranks)
         ),
