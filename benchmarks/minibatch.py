@@ -47,7 +47,7 @@ def run(dataset: str, root: str | None, model: str, bits: str, extra: list[str])
 def table(rows: list[dict]) -> str:
     head = (
         "| model | bits | test metric (mean ± std) | saved per batch, stock | stored per batch | "
-        "ratio | largest batch stored | peak in training | of which above epoch start | "
+        "ratio | largest batch stored | peak of a step | above step start | "
         "epoch time |"
     )
     lines = [head, "|" + " --- |" * 10]

@@ -22,9 +22,11 @@ Memory per batch: ``activation_bytes_stored`` is the mean over the last epoch's 
 ``activation_bytes_fp32`` what stock PyTorch saves for backward on those same batches
 (measured after training); ``activation_bytes_stored_max`` the largest batch of them.
 ``peak_memory_bytes`` is the peak (CUDA max allocated, or process peak RSS) of the training
-loops only: full-graph evaluation materializes edge-level messages of the whole graph, which
-is not what mini-batching bounds; ``peak_above_start_bytes`` is that peak above what the
-process held when the epoch's training started (the graph, the model, the interpreter).
+steps only (forward, backward, optimizer): neither the loader's sampling (on CPU it touches
+every edge of the graph) nor full-graph evaluation, which batching does not bound;
+``peak_above_start_bytes`` is the largest step's peak above what the process held when that
+step began (the graph, the batch, the model, the interpreter). For RSS that follows live
+bytes, run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then returns freed buffers at once).
 """
 
 from __future__ import annotations
@@ -246,28 +248,29 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
     bad_epochs = 0
     bar = tqdm(range(cfg["epochs"]), desc=f"seed {seed}", disable=args.no_progress,
                dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-    peak_bytes = peak_above = 0  # peak of the training loops; and above their start
+    peak_bytes = peak_above = 0  # peak of the training steps; and above their start
     for epoch in bar:
         model.train()
         measured = []
         epoch_start = time.perf_counter()
-        # the peak of training only: full-graph evaluation below is not what batching bounds
-        with peak_memory(device) as peak:
-            for batch in loader:
-                batch = batch.to(device)
-                rows = seeds_of(batch)
-                if batch.y[rows].numel() == 0:  # a random part without training nodes
-                    continue
+        for batch in loader:
+            batch = batch.to(device)
+            rows = seeds_of(batch)
+            if batch.y[rows].numel() == 0:  # a random part without training nodes
+                continue
 
-                def train_step(batch=batch, rows=rows) -> torch.Tensor:
-                    optimizer.zero_grad()
-                    out = model(batch.x, batch.edge_index)
-                    loss = loss_fn(out[rows], batch.y[rows])
-                    loss.backward()
-                    return loss
+            def train_step(batch=batch, rows=rows) -> torch.Tensor:
+                optimizer.zero_grad()
+                out = model(batch.x, batch.edge_index)
+                loss = loss_fn(out[rows], batch.y[rows])
+                loss.backward()
+                return loss
 
-                full._sync(device)
-                start = time.perf_counter()
+            full._sync(device)
+            start = time.perf_counter()
+            # the peak of the training step alone: not the loader's sampling (O(edges of the
+            # whole graph) on CPU) nor full-graph evaluation, which batching does not bound
+            with peak_memory(device) as peak:
                 loss = train_step()
                 optimizer.step()
                 if ctl is not None:
@@ -277,9 +280,9 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
                 elif len(measured) < args.measure_batches:
                     measured.append((batch, None))
                 full._sync(device)
-                step_times.append(time.perf_counter() - start)
-        peak_bytes = max(peak_bytes, peak.peak_bytes)
-        peak_above = max(peak_above, peak.peak_bytes - peak.baseline_bytes)
+            step_times.append(time.perf_counter() - start)
+            peak_bytes = max(peak_bytes, peak.peak_bytes)
+            peak_above = max(peak_above, peak.peak_bytes - peak.baseline_bytes)
         epoch_times.append(time.perf_counter() - epoch_start)
 
         model.eval()
@@ -391,10 +394,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"test {data.metric}: {100 * summary['test_metric_mean']:.2f} ± "
         f"{100 * summary['test_metric_std']:.2f} (val {100 * summary['val_metric_mean']:.2f}, "
         f"{len(per_seed)} seed(s), at the epoch of best validation)\n"
-        f"peak memory in training: {full._mib(summary['peak_memory_bytes'])} "
+        f"peak memory of a training step: {full._mib(summary['peak_memory_bytes'])} "
         f"({'CUDA max allocated' if args.device.startswith('cuda') else 'process peak RSS'}; "
         f"{full._mib(max(r['peak_above_start_bytes'] for r in per_seed))} above the start of "
-        "an epoch)\n"
+        "a step)\n"
         f"activations saved for backward per batch: {full._mib(summary['activation_bytes_fp32'])}"
         f" fp32 -> {full._mib(summary['activation_bytes_stored'])} stored"
         + (f" ({ratio:.1f}x)" if ratio else "")
