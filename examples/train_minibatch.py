@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.loader == "neighbor" and not sampler_available():
         p.error(
             "--loader neighbor needs pyg-lib or torch-sparse (pip install torch-sparse builds "
-            "from source for about 20 minutes); --loader random runs without"
+            "from source: over 25 minutes on 2 cores); --loader random runs without"
         )
     return args
 

@@ -8,8 +8,8 @@ a role's size changes from batch to batch).
 
 `RandomNodeLoader` is pure PyTorch and always runs. `NeighborLoader`, `ClusterLoader` and
 `GraphSAINTRandomWalkSampler` need `pyg-lib` or `torch-sparse`, neither of which has a wheel
-for this torch on the package index (a source build of torch-sparse takes about
-20 minutes on a 2-core machine, see docs/results/minibatch.md): their tests run where one is
+for this torch on the package index (a source build of torch-sparse did not finish in 25
+minutes on a 2-core machine, see docs/results/minibatch.md): their tests run where one is
 importable and skip, saying so, where none is.
 """
 
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SAMPLER_MISSING = (
     "needs pyg-lib or torch-sparse (no wheel for this torch on the package index; "
-    "torch-sparse builds from source in about 20 minutes, too long for CI)"
+    "a torch-sparse source build took over 25 minutes on 2 cores, too long for CI)"
 )
 
 
