@@ -885,16 +885,56 @@ class SensitivityProbe:
         t0 = time.perf_counter()
         self._tls.busy = True
         name = seeds.name
+        edges, grads = seeds.edges, seeds.grads
+        seeds.edges, seeds.grads = [], []
         try:
-            self._grad_into(self._acc.setdefault(name, {}), seeds.edges, seeds.grads)
+            acc = self._acc.setdefault(name, {})
+            while len(edges) == 1:  # a chain: walk it by hand, one gradient alive at a time
+                advanced = self._advance(acc, edges[0], grads)
+                if advanced is None:
+                    break
+                edges, grads = advanced
+            self._grad_into(acc, edges, grads)
         except Exception as exc:  # never break the user's backward
             self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
         finally:
-            seeds.edges, seeds.grads = [], []
+            edges = grads = None
             self._tls.busy = False
             self.seconds += time.perf_counter() - t0
         self._open[name] -= 1
         self._finish_read(name, read=False)
+
+    def _advance(self, acc: dict[int, Tensor], edge, held: list[Tensor]):
+        """Run the node that the gradient in ``held`` enters on it by hand; return the edges
+        and gradients it emits (what reaches a parameter is added to ``acc``) after taking
+        that gradient out of ``held``, so that it is released before the partial backward
+        below (a partial backward holds the gradients it starts from to its end). ``None``,
+        ``held`` untouched, for a node it leaves alone: only C++ nodes and this package's own
+        Functions are run by hand (another Python node may accumulate into ``.grad`` itself,
+        e.g. a reentrant checkpoint)."""
+        fn, nr = edge.node, edge.output_nr
+        ours = getattr(getattr(fn, "_forward_cls", None), "__module__", "").startswith("gact_graph")
+        if (not callable(fn) and not ours) or getattr(fn, "variable", None) is not None:
+            return None
+        args: list[Tensor | None] = [None] * len(fn._input_metadata)
+        args[nr] = held.pop()
+        out = list(self._replay(fn, args))
+        args = None
+        edges, grads = [], []
+        for k in range(len(out)):
+            o, out[k] = out[k], None
+            nxt, nnr = fn.next_functions[k] if k < len(fn.next_functions) else (None, 0)
+            if o is None or nxt is None or not o.is_floating_point() or not bool(o.any()):
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in self._param_ids:
+                    self._add(acc, var, o.sum_to_size(var.shape))
+                continue
+            shape = tuple(nxt._input_metadata[nnr].shape)
+            edges.append(GradientEdge(nxt, nnr))
+            grads.append(o if tuple(o.shape) == shape else o.sum_to_size(shape))
+        return edges, grads
 
     def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
         """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""

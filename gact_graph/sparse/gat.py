@@ -17,7 +17,8 @@ the weighted aggregation) is one `torch.autograd.Function` that saves
 Backward recomputes the edge logits, the softmax and the dropout mask (E x H, transient), and
 runs the gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists: each
 chunk's temporaries (at most three chunk x H x C tensors alive at once) total at most
-``chunk_bytes`` (64 MiB by default).
+``chunk_bytes`` (64 MiB by default) and at most a quarter of one N x H x C tensor (not below
+4 MiB).
 
 **Attention dropout is stock's.** PyG draws ``F.dropout(alpha, p, training)`` on the E x H
 coefficients in its own edge order (the input edges, self-loops removed, then one self-loop
@@ -91,6 +92,9 @@ __all__ = [
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 #: Chunk x H x C tensors alive at once: two in GAT's backward, three in GATv2's.
 _LIVE_CHUNK_TENSORS = 3
+#: Chunks are never made smaller than this for the node-relative cap of `edge_chunk_size`
+#: (a few large kernels per layer, not hundreds of small ones, on small graphs).
+_MIN_CHUNK_BYTES = 4 * 2**20
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -100,12 +104,24 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def edge_chunk_size(
-    num_edges: int, heads: int, channels: int, dtype: torch.dtype, chunk_bytes: int
+    num_edges: int,
+    heads: int,
+    channels: int,
+    dtype: torch.dtype,
+    chunk_bytes: int,
+    num_nodes: int | None = None,
 ) -> int:
     """Edges per chunk so that the chunk temporaries alive at once (at most
-    `_LIVE_CHUNK_TENSORS` tensors of chunk x heads x channels) total at most ``chunk_bytes``."""
-    per_edge = _LIVE_CHUNK_TENSORS * heads * channels * torch.finfo(_acc_dtype(dtype)).bits // 8
-    return max(1, min(max(num_edges, 1), int(chunk_bytes) // max(per_edge, 1)))
+    `_LIVE_CHUNK_TENSORS` tensors of chunk x heads x channels) total at most ``chunk_bytes``,
+    and, given ``num_nodes``, at most a quarter of one N x H x C tensor (but not below
+    `_MIN_CHUNK_BYTES`): on a small graph 64 MiB of chunks was several times the layer's own
+    features, the largest transient of its backward."""
+    item = torch.finfo(_acc_dtype(dtype)).bits // 8
+    per_edge = _LIVE_CHUNK_TENSORS * heads * channels * item
+    budget = int(chunk_bytes)
+    if num_nodes is not None:
+        budget = min(budget, max(_MIN_CHUNK_BYTES, num_nodes * heads * channels * item // 4))
+    return max(1, min(max(num_edges, 1), budget // max(per_edge, 1)))
 
 
 def csr_destinations(rowptr: Tensor, num_edges: int) -> Tensor:
@@ -313,7 +329,9 @@ class GatAttentionFunction(torch.autograd.Function):
         # PyG's alpha and message alpha * x_j promote (bf16 features, fp32 logits: fp32).
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
-        chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, chunk_bytes)
+        chunk = edge_chunk_size(
+            num_edges, heads, channels, x_src.dtype, chunk_bytes, x_src.shape[0]
+        )
         dst = csr_destinations(rowptr, num_edges)
         logit = _gat_logits(a_src, a_dst, col, dst, acc)
         alpha = _segment_softmax(F.leaky_relu(logit, negative_slope), dst, num_dst)
@@ -338,7 +356,9 @@ class GatAttentionFunction(torch.autograd.Function):
         heads, channels = x_src.shape[1:]
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
-        chunk = edge_chunk_size(num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes)
+        chunk = edge_chunk_size(
+            num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes, x_src.shape[0]
+        )
         dst = csr_destinations(rowptr, num_edges)
 
         # Recompute the edge stage (E x H, transient).
@@ -461,7 +481,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
         _check_common(x_l, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_l.shape[1:]
-        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes)
+        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes, x_l.shape[0])
         dst = csr_destinations(rowptr, num_edges)
         logit = _gatv2_logits(x_l, x_r, att, col, dst, negative_slope, chunk)
         alpha = _segment_softmax(logit, dst, num_dst)
@@ -487,7 +507,9 @@ class GatV2AttentionFunction(torch.autograd.Function):
         heads, channels = x_l.shape[1:]
         acc = _acc_dtype(x_l.dtype)
         slope = ctx.negative_slope
-        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, ctx.chunk_bytes)
+        chunk = edge_chunk_size(
+            num_edges, heads, channels, x_l.dtype, ctx.chunk_bytes, x_l.shape[0]
+        )
         dst = csr_destinations(rowptr, num_edges)
 
         logit = _gatv2_logits(x_l, x_r, att, col, dst, slope, chunk)

@@ -37,10 +37,18 @@ def test_linear_inputs_probe_within_the_fixed_bit_envelope():
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
 
 
+def test_batchnorm_model_probe_within_the_fixed_bit_envelope():
+    """GCN + BatchNorm: the BatchNorm inputs are replayed; their noise is carried to the
+    parameters after the replayed node's gradients are released (``_defer``)."""
+    p = _peaks("gcn")
+    assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 13 is open: BatchNorm inputs are still replayed on probed steps (~1.8x)",
+    reason="issue 13 is open for GAT: each replayed tensor's noise is carried through every "
+    "attention layer below in a partial backward on top of the user's backward (~1.35x)",
 )
-def test_batchnorm_model_probe_within_the_fixed_bit_envelope():
-    p = _peaks("gcn")
+def test_attention_model_probe_within_the_fixed_bit_envelope():
+    p = _peaks("gat")
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
