@@ -278,6 +278,13 @@ def _check_loader_batches(batches, seeds_of, name: str = "sage", steps: int = 6)
         assert ctl.stats()["total"]["ratio"] > 1.0
 
 
+def test_loader_check_on_random_node_loader():
+    """The check the sampler tests below run, on RandomNodeLoader's batches (which need no
+    sampler library), so the check itself is proven here wherever those tests skip."""
+    data = _graph(2000, 20_000, seed=4)
+    _check_loader_batches(RandomNodeLoader(data, num_parts=6), lambda b: b.train_mask)
+
+
 def test_neighbor_loader():
     _needs_sampler()
     from torch_geometric.loader import NeighborLoader
