@@ -25,13 +25,23 @@ exceed what the allocator's own plan at the configured average bits gives; tenso
 estimate (what segments save inside) never go below the default width (the widest quantizer
 width not above ``bits``). Without sensitivities no tensor goes below the default width.
 
-**Errors.** A budget that even the most compressed plan cannot meet raises `BudgetError`
-naming the smallest feasible budget: already at the end of the profile step's forward (before
-backward, from a lower bound), else at its ``ctl.iterate()`` (the exact figure).
+**Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
+bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
+predicts too much but the budget is at least what the profile step measured, the profile step's
+own setting runs (it just ran within the budget). A budget the most compressed setting met is
+never refused.
+
+**Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
+lesser of the profile step's measured peak and the least relaxed plan's prediction with the
+margin): already at the end of the profile step's forward (before backward, from a lower bound
+without margin: saved bytes at 1 bit, the largest saved tensor dequantized, the parameters'
+gradients), else at its ``ctl.iterate()`` (the exact figure).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,9 +101,20 @@ class PlanState:
     profile_step: int
     recompute: set[str] = field(default_factory=set)
     swap: set[str] = field(default_factory=set)
+    #: what the profile step measured (CUDA: max allocated; CPU: ``rest`` + peak live bytes)
+    profile_peak: int | None = None
+    #: the smallest budget this profile admits (what `BudgetError` would name)
+    least_budget: int = 0
+    #: "" (the plan meets the accuracy bound), "relaxed" (below it: 1 bit allowed everywhere,
+    #: no variance cap), "profile" (the profile step's own setting, admitted by its measurement)
+    relaxed: str = ""
+    #: the bound the profile step's forward checked (at most ``profile_peak``)
+    lower_bound: int = 0
 
     @property
     def predicted(self) -> int:
+        if self.relaxed == "profile" and self.profile_peak is not None:
+            return self.profile_peak  # measured, not predicted: this very setting ran
         return self.rest + self.fixed + self.plan.memory + self.transient
 
 
@@ -185,6 +206,7 @@ class BudgetPlanner:
         self._recompute_seconds: dict[str, float] = {}
         self._recomputed_peak = 0
         self._forward: dict[str, Any] | None = None
+        self._lower_bound = 0
         #: per segment, the names of its inputs its recomputation saves again (a stored
         #: segment holds those itself)
         self._referenced: dict[str, set[str]] = {}
@@ -296,9 +318,18 @@ class BudgetPlanner:
         return out
 
     def _transient_floor(self, tensors: list[TensorInfo]) -> int:
+        """The least backward transient a plan assumes: the largest saved tensor dequantized
+        and its gradient, and gradients plus two optimizer states per parameter."""
         largest = max((t.orig_bytes for t in tensors), default=0)
         params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
         return 2 * largest + 3 * params
+
+    def _transient_lower_bound(self, tensors: list[TensorInfo]) -> int:
+        """What backward holds for certain beyond the saved bytes: the largest saved tensor
+        dequantized, and the trainable parameters' gradients (no optimizer is assumed)."""
+        largest = max((t.orig_bytes for t in tensors), default=0)
+        params = self.ctl.model.parameters()
+        return largest + sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
     def _check_lower_bound(self) -> None:
         """End of a profile step's forward: can any plan fit? Only shapes are known here (what
@@ -318,17 +349,19 @@ class BudgetPlanner:
             if t.quantizable
         )
         rest = self._rest()
-        floor = self._transient_floor(tensors + inner)
-        need = (rest + fixed + held + floor) / (1 - self.margin)
+        floor = self._transient_lower_bound(tensors + inner)
+        # no margin: the profile step's own setting is admitted at its measured peak, which
+        # this bound may not exceed
+        need = rest + fixed + held + floor
+        self._lower_bound = need
         if need > self.budget:
             self._phase = None
             raise BudgetError(
                 f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
                 f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
                 f"least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
-                f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}, "
-                f"margin {self.margin:.0%}); the smallest feasible budget is at least "
-                f"{format_bytes(need)}"
+                f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}); the "
+                f"smallest feasible budget is at least {format_bytes(need)}"
             )
 
     def _rest(self) -> int:
@@ -356,7 +389,12 @@ class BudgetPlanner:
                 growth = live.peak
             elif peak is not None:
                 growth = peak - self._meter.start
-            state = self._plan_from_profile(growth)
+            profile_peak = None
+            if self._device.type == "cuda":
+                profile_peak = peak
+            elif growth is not None:
+                profile_peak = self._rest() + growth
+            state = self._plan_from_profile(growth, profile_peak)
             self.plans[self._signature] = state
             self.plan_state = state
             predicted = None
@@ -374,9 +412,17 @@ class BudgetPlanner:
         del self.history[:-256]
 
     # ---------------------------------------------------------------- planning
-    def _plan_from_profile(self, growth: int | None) -> PlanState:
+    def _plan_from_profile(self, growth: int | None, profile_peak: int | None) -> PlanState:
         """The plan for the profile step just finished; ``growth`` is the most memory the
-        step held beyond what existed before it (None: not measurable)."""
+        step held beyond what existed before it, ``profile_peak`` the step's measured peak
+        (None: not measurable).
+
+        In order: the fastest plan that meets the accuracy bound under ``budget * (1 -
+        margin)``; else the fastest with the bound relaxed (1 bit allowed everywhere), with a
+        warning; else, when the budget is at least what the profile step measured, the profile
+        step's own setting (it ran within the budget, so refusing it would refuse a budget
+        that was just met). Otherwise `BudgetError`, naming the smallest budget one of these
+        admits."""
         self.profiles += 1
         tensors = self._records()
         rest = self._rest()
@@ -386,26 +432,70 @@ class BudgetPlanner:
         transient = floor
         if growth is not None:
             transient = max(floor, growth - stored - self._recomputed_peak)
-        units, fixed = self._units(tensors)
+        units, fixed = self._units(tensors, relaxed=False)
         cap_var = self._variance_cap(tensors)
-        free = self.budget * (1 - self.margin) - rest - fixed - transient
+        usable = self.budget * (1 - self.margin)
+        free = usable - rest - fixed - transient
         plan = solve_plan(units, free, cap_var) if free >= 0 else None
+        relaxed = ""
+        loose = self._units(tensors, relaxed=True)[0]
+        least_loose, _ = smallest_memory(loose, None)
+        need_loose = (rest + fixed + transient + least_loose) / (1 - self.margin)
+        least_budget = math.ceil(need_loose)
+        if profile_peak is not None:
+            least_budget = min(least_budget, profile_peak)
         if plan is None:
-            least, _ = smallest_memory(units, cap_var)
-            need = (rest + fixed + transient + least) / (1 - self.margin)
-            raise BudgetError(
-                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
-                f"smallest feasible budget is {format_bytes(need)} (rest {format_bytes(rest)}, "
-                f"fixed saved bytes {format_bytes(fixed)}, least plan {format_bytes(least)}, "
-                f"backward transient {format_bytes(transient)}, margin {self.margin:.0%}, "
-                f"no tensor without a sensitivity estimate below {self.default_bits} bits)"
+            least_bound, _ = smallest_memory(units, cap_var)
+            need_bound = (rest + fixed + transient + least_bound) / (1 - self.margin)
+            if free >= 0:
+                plan = solve_plan(loose, free, None)
+            if plan is not None:
+                relaxed, units = "relaxed", loose
+            elif profile_peak is not None and profile_peak <= self.budget:
+                relaxed, units = "profile", loose
+                plan = Plan({u.name: self._profile_option(u) for u in loose}, "profile")
+            else:
+                raise BudgetError(
+                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
+                    f"smallest feasible budget is {format_bytes(least_budget)} (the profile "
+                    f"step, every saved tensor at 1 bit and every segment recomputed, measured "
+                    f"{'-' if profile_peak is None else format_bytes(profile_peak)}; the least "
+                    f"plan predicts {format_bytes(need_loose)} with margin {self.margin:.0%}: "
+                    f"rest {format_bytes(rest)}, fixed saved bytes {format_bytes(fixed)}, "
+                    f"least plan {format_bytes(least_loose)}, backward transient "
+                    f"{format_bytes(transient)}; {format_bytes(need_bound)} keeps the accuracy "
+                    f"bound)"
+                )
+            if relaxed == "profile":
+                how = (
+                    "the profile step's own setting runs (1 bit, every segment recomputed; it "
+                    f"measured {format_bytes(profile_peak)})"
+                )
+            else:
+                how = "the bound is relaxed (1 bit allowed everywhere)"
+            warnings.warn(
+                f"gact_graph: memory_budget={format_bytes(self.budget)} is below "
+                f"{format_bytes(need_bound)}, the least budget at which the plan keeps the "
+                f"accuracy bound (no tensor without a sensitivity estimate below "
+                f"{self.default_bits} bits, added gradient variance at most the adaptive "
+                f"allocator's): {how}",
+                stacklevel=2,
             )
+            cap_var = None
         recompute = {n for n, o in plan.choice.items() if o.mode == "recompute"}
         swap = {n for n, o in plan.choice.items() if o.mode == "swap"}
         return PlanState(
             self._signature, plan, units, rest, fixed, transient, cap_var, self.ctl.step,
-            recompute, swap,
+            recompute, swap, profile_peak, least_budget, relaxed, self._lower_bound,
         )  # fmt: skip
+
+    @staticmethod
+    def _profile_option(unit: Unit) -> Option:
+        """The option the profile step ran ``unit`` at: recomputed where it can be, at the
+        fewest bits."""
+        redo = [o for o in unit.options if o.mode == "recompute"]
+        pool = redo or [o for o in unit.options if o.mode in ("compress", "keep")]
+        return min(pool, key=lambda o: o.bits)
 
     def _sensitivities(self) -> dict[str, float]:
         adapter = self.ctl.adapter
@@ -436,7 +526,9 @@ class BudgetPlanner:
         floor = min(FIXED_BITS) if known else self.default_bits
         return [b for b in FIXED_BITS if b >= floor] + [32]
 
-    def _units(self, tensors: list[TensorInfo]) -> tuple[list[Unit], int]:
+    def _units(self, tensors: list[TensorInfo], relaxed: bool) -> tuple[list[Unit], int]:
+        """The units and the bytes no option changes; ``relaxed``: every unit may go down to
+        1 bit (what the accuracy bound forbids for tensors without an estimate)."""
         c = self._sensitivities()
         timer = self._timer
         fixed = 0
@@ -452,7 +544,7 @@ class BudgetPlanner:
                 fixed += t.fixed_bytes
                 continue
             options = []
-            for b in self._ladder(t.name in c):
+            for b in self._ladder(relaxed or t.name in c):
                 mode = "keep" if b >= 32 else "compress"
                 sec = timer.seconds(t.shape, b)
                 var = c.get(t.name, 0.0) * S(b)
@@ -472,7 +564,7 @@ class BudgetPlanner:
             again = self._referenced.get(seg, set())
             known = bool(q_in) and not q_inner and all(t.name in c for t in q_in)
             options = []
-            for b in self._ladder(known):
+            for b in self._ladder(relaxed or known):
                 held_in = sum(self._bytes(t, b) for t in q_in) + fixed_in
                 held_inner = sum(self._bytes(t, b) for t in q_inner) + fixed_inner
                 held_again = sum(self._bytes(t, b) for t in ins if t.name in again)
@@ -500,12 +592,25 @@ class BudgetPlanner:
         plan = state.plan
         lines.append(
             f"plan ({plan.solver}, profiled at step {state.profile_step}): predicted peak "
-            f"{format_bytes(state.predicted)} = rest {format_bytes(state.rest)} + fixed "
+            f"{format_bytes(state.predicted)} "
+            + ("(measured) " if state.relaxed == "profile" else "= ")
+            + f"rest {format_bytes(state.rest)} + fixed "
             f"{format_bytes(state.fixed)} + plan {format_bytes(plan.memory)} + backward "
             f"{format_bytes(state.transient)}; added time {1e3 * plan.seconds:.2f} ms"
             + ("" if state.variance_cap is None else f"; variance {plan.variance:.3g} "
                f"<= {state.variance_cap:.3g}")
         )  # fmt: skip
+        if state.relaxed == "profile":
+            lines.append(
+                "below the accuracy bound: the profile step's own setting, admitted by its "
+                "measured peak (the terms are the planner's prediction of it)"
+            )
+        elif state.relaxed:
+            lines.append("below the accuracy bound: 1 bit allowed everywhere, no variance cap")
+        lines.append(
+            f"smallest feasible budget {format_bytes(state.least_budget)}; profile step "
+            f"measured {'-' if state.profile_peak is None else format_bytes(state.profile_peak)}"
+        )
         lines.append(f"{'unit':<40} {'kind':<8} {'choice':<16} {'orig MB':>9} {'held MB':>9}")
         for u in state.units:
             o = plan.choice[u.name]
