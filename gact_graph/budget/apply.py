@@ -204,6 +204,8 @@ class BudgetPlanner:
         self._inner: dict[str, list[TensorInfo]] = {}
         self._meta: dict[str, list[tuple]] = {}
         self._recompute_seconds: dict[str, float] = {}
+        #: per segment, the most live bytes its recomputation rose by (CPU profile steps)
+        self._recompute_rise: dict[str, int] = {}
         self._recomputed_peak = 0
         self._forward: dict[str, Any] | None = None
         self._lower_bound = 0
@@ -271,6 +273,15 @@ class BudgetPlanner:
         if event == "forward":
             self._meta.setdefault(segment.path, []).extend(segment.meta)
             return
+        if event == "recompute_start":
+            if self._live is not None:
+                self._live.open_window()
+            return
+        if self._live is not None:
+            rise = self._live.close_window()
+            self._recompute_rise[segment.path] = max(
+                self._recompute_rise.get(segment.path, 0), rise
+            )
         inputs = {id(spec[1]) for spec in [*segment.args, *segment.kwargs.values()]}
         infos, held = [], 0
         referenced = self._referenced.setdefault(segment.path, set())
@@ -384,9 +395,9 @@ class BudgetPlanner:
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
-            growth = None
+            growth = outside = None
             if live is not None:
-                growth = live.peak
+                growth, outside = live.peak, live.outside_peak
             elif peak is not None:
                 growth = peak - self._meter.start
             profile_peak = None
@@ -394,7 +405,7 @@ class BudgetPlanner:
                 profile_peak = peak
             elif growth is not None:
                 profile_peak = self._rest() + growth
-            state = self._plan_from_profile(growth, profile_peak)
+            state = self._plan_from_profile(growth, outside, profile_peak)
             self.plans[self._signature] = state
             self.plan_state = state
             predicted = None
@@ -412,10 +423,19 @@ class BudgetPlanner:
         del self.history[:-256]
 
     # ---------------------------------------------------------------- planning
-    def _plan_from_profile(self, growth: int | None, profile_peak: int | None) -> PlanState:
+    def _plan_from_profile(
+        self, growth: int | None, outside: int | None, profile_peak: int | None
+    ) -> PlanState:
         """The plan for the profile step just finished; ``growth`` is the most memory the
-        step held beyond what existed before it, ``profile_peak`` the step's measured peak
-        (None: not measurable).
+        step held beyond what existed before it, ``outside`` the same outside the segments'
+        recomputations (CPU; None: not measured apart), ``profile_peak`` the step's measured
+        peak (None: not measurable).
+
+        The backward transient is what the step held beyond its stored bytes and the largest
+        recomputed segment's; where recomputations were measured apart (``outside``), it
+        excludes them: a plan that recomputes a segment pays that segment's own measured rise
+        instead (its ``recompute`` option's transient), and one that recomputes nothing does
+        not pay it at all.
 
         In order: the fastest plan that meets the accuracy bound under ``budget * (1 -
         margin)``; else the fastest with the bound relaxed (1 bit allowed everywhere), with a
@@ -430,8 +450,9 @@ class BudgetPlanner:
         all_inner = [t for ts in self._inner.values() for t in ts]
         floor = self._transient_floor(tensors + all_inner)
         transient = floor
-        if growth is not None:
-            transient = max(floor, growth - stored - self._recomputed_peak)
+        held = outside if outside is not None else growth
+        if held is not None:
+            transient = max(floor, held - stored - self._recomputed_peak)
         units, fixed = self._units(tensors, relaxed=False)
         cap_var = self._variance_cap(tensors)
         usable = self.budget * (1 - self.margin)
@@ -562,6 +583,7 @@ class BudgetPlanner:
             fixed_in = sum(t.fixed_bytes for t in ins)
             fixed_inner = sum(t.fixed_bytes for t in inner)
             again = self._referenced.get(seg, set())
+            low = 32 if self.lossless else min(FIXED_BITS)  # the profile step's width
             known = bool(q_in) and not q_inner and all(t.name in c for t in q_in)
             options = []
             for b in self._ladder(relaxed or known):
@@ -576,7 +598,11 @@ class BudgetPlanner:
                 options.append(Option(mode, b, held_inner + held_again, 0, sec, var))
                 if seg in self._recompute_seconds:
                     redo = self._recompute_seconds[seg]
-                    options.append(Option("recompute", b, held_in, held_inner, sec + redo, var))
+                    rise = held_inner
+                    if seg in self._recompute_rise:  # measured: inputs restored, fp32 inside
+                        profiled = sum(self._bytes(t, low) for t in q_inner) + fixed_inner
+                        rise = max(held_inner, self._recompute_rise[seg] - profiled + held_inner)
+                    options.append(Option("recompute", b, held_in, rise, sec + redo, var))
             orig = sum(t.orig_bytes for t in ins + inner)
             units.append(Unit(seg, "segment", options, orig))
         return units, fixed

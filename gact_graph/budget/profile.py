@@ -131,6 +131,10 @@ class LiveBytes(TorchDispatchMode):
     code and thread pools, and the C allocator keeps freed memory, so RSS growth is neither
     the step's live bytes nor repeatable. Checked at every op, so it costs Python time per op:
     it runs for profile steps only.
+
+    A *window* (`open_window` ... `close_window`, e.g. one segment's recomputation) is measured
+    apart: ``outside_peak`` is the peak over the ops outside every window, `close_window`
+    returns how far the window rose above the bytes live when it opened.
     """
 
     def __init__(self) -> None:
@@ -138,6 +142,17 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.bytes = 0
         self.peak = 0
+        self.outside_peak = 0
+        self._window: tuple[int, int] | None = None  # (bytes at its opening, its peak)
+
+    def open_window(self) -> None:
+        self._sweep()
+        self._window = (self.bytes, self.bytes)
+
+    def close_window(self) -> int:
+        """Bytes the window rose above its opening at most (0 if none was open)."""
+        window, self._window = self._window, None
+        return 0 if window is None else window[1] - window[0]
 
     def _sweep(self) -> None:
         dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
@@ -158,4 +173,8 @@ class LiveBytes(TorchDispatchMode):
                     self._live[ref.cdata] = (ref, storage.nbytes())
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
+        if self._window is None:
+            self.outside_peak = max(self.outside_peak, self.bytes)
+        else:
+            self._window = (self._window[0], max(self._window[1], self.bytes))
         return out

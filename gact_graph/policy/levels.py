@@ -490,6 +490,8 @@ class _Segment:
 
     def _recompute(self) -> dict[int, Stored]:
         ctl = self.ctl
+        for listener in self.manager.listeners:  # the budget profiler measures from here
+            listener("recompute_start", self, None, 0.0)
         args = [self._restore(s) for s in self.args]
         kwargs = {k: self._restore(s) for k, s in self.kwargs.items()}
         # A saved tensor that IS a (restored) input is stored as that input's own Stored.
@@ -602,8 +604,9 @@ class CheckpointManager:
     ``enabled`` (``None``: every segment) is the set of segment paths that run checkpointed;
     the others run their forward as is, so a policy (the memory-budget planner) decides per
     segment. ``listeners`` are called as ``fn(event, segment, store, seconds)`` after each
-    checkpointed forward (``"forward"``) and each recomputation (``"recompute"``, with the
-    recomputed `Stored` by index and the seconds it took).
+    checkpointed forward (``"forward"``), before each recomputation (``"recompute_start"``,
+    before its inputs are restored) and after it (``"recompute"``, with the recomputed `Stored`
+    by index and the seconds it took).
     """
 
     def __init__(self, ctl: Controller, spec=None) -> None:

@@ -96,7 +96,10 @@ def test_budget_is_respected_and_tighter_budget_compresses(least):
         for h in ctl.budget.history[1:]:  # planned steps: what was stored fits the prediction
             assert h["phase"] == "planned"
             assert h["accounted"] <= st.predicted
-        assert _measured_step(model, ctl, graph, opt) <= budget
+        measured = _measured_step(model, ctl, graph, opt)
+        assert measured <= budget
+        if not st.relaxed:  # the prediction bounds what a planned step holds
+            assert measured <= st.predicted
         held[factor] = ctl.stats()["total"]["stored_bytes"]
         report = ctl.report()
         assert "memory budget" in report and "predicted peak" in report and "convs.0" in report

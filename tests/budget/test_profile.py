@@ -1,0 +1,43 @@
+"""What the profile step measures: live tensor bytes (with windows measured apart) and the
+bytes a compressed tensor holds."""
+
+import torch
+
+from gact_graph.budget.profile import LiveBytes, compressed_bytes
+from gact_graph.core.quantize import quantize
+
+
+def test_live_bytes_counts_peak_and_frees():
+    with LiveBytes() as live:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a * 2  # 8000 live
+        del a, b
+        c = torch.zeros(250)  # the sweep at this op frees a and b
+    assert live.peak == 8000
+    assert live.bytes == 1000 and c.numel() == 250
+
+
+def test_window_is_measured_apart_from_the_rest():
+    with LiveBytes() as live:
+        a = torch.ones(1000)  # 4000 outside
+        live.open_window()
+        b = torch.ones(3000)  # +12000 inside the window
+        c = b + 1  # +12000
+        del b, c
+        rise = live.close_window()
+        d = torch.ones(500)  # back outside: 4000 + 2000
+    assert rise == 24000
+    assert live.peak == 28000
+    assert live.outside_peak == 6000
+    assert a.numel() + d.numel() == 1500
+
+
+def test_compressed_bytes_is_what_a_qtensor_holds():
+    x = torch.randn(300, 70)
+    for bits in (1, 2, 4, 8):
+        q = quantize(x, bits, group_size=256)
+        held = q.packed.untyped_storage().nbytes() + sum(
+            t.untyped_storage().nbytes()
+            for t in (q.meta if isinstance(q.meta, tuple) else [q.meta])
+        )
+        assert compressed_bytes(tuple(x.shape), bits, 256) == held
