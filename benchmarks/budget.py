@@ -78,11 +78,14 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
         model = build_model(name, 16, 8, num_layers=layers, hidden_channels=64)
         ctl = compress_gnn(model, **setting) if setting is not None else None
         opt = torch.optim.Adam(model.parameters(), 1e-3)
-        peaks, times = [], []
+        peaks, times, probed, starts = [], [], [], []
+        adapter = getattr(ctl, "adapter", None)
         try:
             for _ in range(steps):
+                seen = getattr(adapter, "n_estimates", 0)
                 with open("/proc/self/clear_refs", "w") as fh:
                     fh.write("5")
+                starts.append(_rss("VmRSS") - record)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x, ei), y).backward()
@@ -91,6 +94,7 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
                     ctl.iterate()
                 times.append(time.perf_counter() - t0)
                 peaks.append(_rss("VmHWM") - record)
+                probed.append(getattr(adapter, "n_estimates", 0) != seen)
         finally:
             extra = {}
             if ctl is not None and getattr(ctl, "budget", None) is not None:
@@ -103,7 +107,7 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
                     }
             if ctl is not None:
                 ctl.remove()
-        return peaks, times, extra
+        return peaks, times, probed, starts, extra
 
     warm = {"bits": 1, "adaptive": False, "opt_level": "CB1"}
     for s in (warm, None, setting):  # libraries, thread pools, kernels: before the baseline
@@ -117,12 +121,17 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
     base = _rss("VmRSS")
     out = {"model": model_key, "setting": setting, "nodes": n}
     try:
-        peaks, times, extra = one_run(n, layers, setting, steps, base)
+        peaks, times, probed, starts, extra = one_run(n, layers, setting, steps, base)
     except BudgetError as exc:
         out.update(error=str(exc))
         return out
-    out.update(peaks=peaks, times=times, peak=max(peaks), extra=extra)
-    out["step_time"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+    out.update(peaks=peaks, starts=starts, times=times, probed=probed, peak=max(peaks))
+    out["extra"] = extra
+    # steady: steps after the first (the planner's profile step) without a sensitivity probe;
+    # mean: every step after the first, probes included (what a run of this length pays)
+    steady = [t for i, (t, p) in enumerate(zip(times, probed)) if i >= 1 and not p]
+    out["step_time"] = statistics.median(steady or times[1:] or times)
+    out["mean_time"] = statistics.fmean(times[1:] or times)
     return out
 
 
@@ -154,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.30, 0.10, 0.05])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -166,7 +175,8 @@ def main() -> None:
     results = []
     print(
         f"{'model':<8} {'budget':>6} {'B MiB':>7} | {'planner MiB':>11} {'pred MiB':>8} "
-        f"{'met':>4} {'ms':>7} | {'fastest fitting fixed':<22} {'ms':>7} {'ratio':>6}"
+        f"{'met':>4} {'steady':>7} {'mean':>7} | {'fastest fitting fixed':<22} {'steady':>7} "
+        f"{'mean':>7} | {'ratio steady':>12} {'ratio mean':>10}"
     )
     for model in args.models:
         stock = _run(model, None, args.steps)
@@ -179,7 +189,10 @@ def main() -> None:
             continue
         print(
             f"{model:<8} stock peak {_mib(stock['peak'])} MiB, {1e3 * stock['step_time']:.1f} ms; "
-            + ", ".join(f"{k} {_mib(v.get('peak'))}" for k, v in fixed.items())
+            + ", ".join(
+                f"{k} {_mib(v.get('peak'))} MiB {1e3 * v.get('step_time', 0):.0f} ms"
+                for k, v in fixed.items()
+            )
         )
         for frac in args.fractions:
             budget = int(frac * stock["peak"])
@@ -189,20 +202,32 @@ def main() -> None:
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
             row["budgets"].append(entry)
             met = "peak" in plan and plan["peak"] <= budget
-            pms = 1e3 * plan["step_time"] if "peak" in plan else None
-            bms = 1e3 * fits[best]["step_time"] if best else None
-            ratio = pms / bms if pms and bms else None
-            entry["ratio"] = ratio
+            ms = {}
+            for key in ("step_time", "mean_time"):
+                p = 1e3 * plan[key] if "peak" in plan else None
+                b = 1e3 * fits[best][key] if best else None
+                ms[key] = (p, b, p / b if p and b else None)
+            entry["ratio"] = ms["step_time"][2]
+            entry["ratio_mean"] = ms["mean_time"][2]
             pred = plan.get("extra", {}).get("predicted")
+
+            def f(v, spec=".1f"):
+                return "-" if v is None else format(v, spec)
+
             print(
                 f"{model:<8} {frac:>6.0%} {_mib(budget):>7} | "
                 f"{_mib(plan.get('peak')) if 'peak' in plan else 'error':>11} {_mib(pred):>8} "
-                f"{('yes' if met else 'NO'):>4} {'-' if pms is None else f'{pms:.1f}':>7} | "
-                f"{best or 'none fits':<22} {'-' if bms is None else f'{bms:.1f}':>7} "
-                f"{'-' if ratio is None else f'{ratio:.2f}':>6}"
+                f"{('yes' if met else 'NO'):>4} {f(ms['step_time'][0]):>7} "
+                f"{f(ms['mean_time'][0]):>7} | {best or 'none fits':<22} "
+                f"{f(ms['step_time'][1]):>7} {f(ms['mean_time'][1]):>7} | "
+                f"{f(ms['step_time'][2], '.2f'):>12} {f(ms['mean_time'][2], '.2f'):>10}"
             )
             if "error" in plan:
                 print(f"         planner: {plan['error'][-400:]}")
+            else:
+                probes = [i for i, p in enumerate(plan["probed"]) if p]
+                times = " ".join(f"{1e3 * t:.0f}" for t in plan["times"])
+                print(f"         planner per step ms: {times}; probe steps {probes}")
         results.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
