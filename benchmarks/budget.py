@@ -39,7 +39,7 @@ MODELS = {
     "gcn": ("gcn", 3, 8_000),
     "gat": ("gat", 3, 3_000),
     "gcnii": ("gcnii", 8, 4_000),
-    "gcnii64": ("gcnii", 64, 1_500),
+    "gcnii64": ("gcnii", 64, 1_000),
 }
 FIXED = [(b, lvl) for lvl in ("L1", "CB1") for b in (1, 2, 4, 8)]
 
@@ -163,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.30, 0.10, 0.05])
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
