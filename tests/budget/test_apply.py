@@ -144,6 +144,17 @@ def test_replans_when_the_graph_size_changes(least):
     ctl.remove()
 
 
+def test_probes_stop_once_a_plan_is_in_force(least):
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 4))
+    _train(model, ctl, _graph(600), 1)
+    estimates = ctl.adapter.n_estimates
+    assert estimates == 1 and ctl.budget.plan_state.variance_cap is not None  # the profile's
+    _train(model, ctl, _graph(600), 3)  # the plan decides every tensor: no probe would matter
+    assert ctl.adapter.n_estimates == estimates
+    ctl.remove()
+
+
 def test_generous_budget_keeps_everything_and_matches_stock_gradients():
     x, ei, y = _graph(400)
     ref = _model()
