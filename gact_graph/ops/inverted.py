@@ -301,9 +301,14 @@ class EluFunction(torch.autograd.Function):
         y, pos = ctx.saved_tensors
         if grad.dtype in (torch.float16, torch.bfloat16):
             neg = (grad.float() * (y.float() + ctx.alpha)).to(grad.dtype)
-        else:
-            neg = grad * (y + ctx.alpha)
-        return torch.where(pos, grad, neg), None, None
+            return torch.where(pos, grad, neg), None, None
+        # grad * (y + alpha) where x <= 0, grad elsewhere, in one new tensor (was three: the
+        # sensitivity probe runs this backward on top of the user's, so its temporaries add up)
+        # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad)
+        out = torch.add(y, ctx.alpha).mul_(grad)
+        if torch.is_grad_enabled():  # create_graph: no out= under autograd
+            return torch.where(pos, grad, out), None, None
+        return torch.where(pos, grad, out, out=out), None, None
 
 
 class InvertedFunction(torch.autograd.Function):
