@@ -165,6 +165,11 @@ def main() -> None:
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.30, 0.10, 0.05])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--planner-setting",
+        default="{}",
+        help="JSON of compress_gnn arguments added to the planner's runs (default: none)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--setting", help=argparse.SUPPRESS)
@@ -196,7 +201,8 @@ def main() -> None:
         )
         for frac in args.fractions:
             budget = int(frac * stock["peak"])
-            plan = _run(model, {"memory_budget": budget}, args.steps)
+            extra_setting = json.loads(args.planner_setting)
+            plan = _run(model, {"memory_budget": budget, **extra_setting}, args.steps)
             fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
@@ -223,11 +229,14 @@ def main() -> None:
                 f"{f(ms['step_time'][2], '.2f'):>12} {f(ms['mean_time'][2], '.2f'):>10}"
             )
             if "error" in plan:
-                print(f"         planner: {plan['error'][-400:]}")
+                lines = plan["error"].strip().splitlines() or [""]
+                print(f"         planner: {lines[-1][-400:]}")
             else:
                 probes = [i for i, p in enumerate(plan["probed"]) if p]
                 times = " ".join(f"{1e3 * t:.0f}" for t in plan["times"])
+                peaks = " ".join(_mib(p) for p in plan["peaks"])
                 print(f"         planner per step ms: {times}; probe steps {probes}")
+                print(f"         planner per step peak MiB: {peaks}")
         results.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
