@@ -14,16 +14,19 @@ change the same way).
 **Predicted peak.** ``rest + fixed + plan.memory + transient``: ``rest`` is what exists before
 the step (CUDA: ``memory_allocated`` at its start; CPU: parameters, buffers and the model's
 inputs, counted); ``fixed`` the bytes no option changes (masks, indices, small tensors);
-``plan.memory`` the resident bytes of the chosen options plus the largest recomputed segment;
-``transient`` what the profile step held beyond its stored bytes (gradients, optimizer state,
-workspaces, dequantized copies in backward), never less than twice the largest saved tensor
-plus three times the parameters. The plan must fit ``budget * (1 - margin)``.
+``plan.memory`` the resident bytes of the chosen options plus the largest recompute rise
+(a recomputed segment's measured rise: restored inputs, fp32 intermediates, what it saves
+again); ``transient`` what the profile step held beyond its stored bytes outside the
+recomputations (gradients, optimizer state, workspaces, dequantized copies in backward;
+CUDA: including them), never less than twice the largest saved tensor plus three times the
+parameters. The plan must fit ``budget * (1 - margin)``.
 
 **Accuracy.** With sensitivities from the adaptive allocator (``adaptive=True``: its estimate
 of the profile step), the plan's added gradient variance :math:`\\sum_l c_l S(b_l)` may not
 exceed what the allocator's own plan at the configured average bits gives; tensors without an
 estimate (what segments save inside) never go below the default width (the widest quantizer
 width not above ``bits``). Without sensitivities no tensor goes below the default width.
+Once a plan is in force the allocator's probes stop (`BudgetPlanner._pause_probes`).
 
 **Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
 bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
