@@ -213,6 +213,9 @@ class BudgetPlanner:
         self._recomputed_peak = 0
         self._forward: dict[str, Any] | None = None
         self._lower_bound = 0
+        #: CPU profile: bytes created after the step's peak and still alive at its end
+        #: (optimizer state): every later step starts with them
+        self._carried = 0
         #: per segment, the names of its inputs its recomputation saves again (a stored
         #: segment holds those itself)
         self._referenced: dict[str, set[str]] = {}
@@ -402,13 +405,16 @@ class BudgetPlanner:
             growth = outside = None
             if live is not None:
                 growth, outside = live.peak, live.outside_peak
+                self._carried = live.created_after_peak()
             elif peak is not None:
                 growth = peak - self._meter.start
             profile_peak = None
             if self._device.type == "cuda":
                 profile_peak = peak
             elif growth is not None:
-                profile_peak = self._rest() + growth
+                # what a later step at this setting holds: it starts with the optimizer
+                # state this step created after its peak
+                profile_peak = self._rest() + growth + self._carried
             state = self._plan_from_profile(growth, outside, profile_peak)
             self._pause_probes()
             self.plans[self._signature] = state
@@ -460,7 +466,7 @@ class BudgetPlanner:
         admits."""
         self.profiles += 1
         tensors = self._records()
-        rest = self._rest()
+        rest = self._rest() + self._carried  # later steps start with what this one carried
         stored = self._forward["stored"]
         all_inner = [t for ts in self._inner.values() for t in ts]
         floor = self._transient_floor(tensors + all_inner)

@@ -4,6 +4,7 @@ time, and the (de)compression time of each tensor shape at each bit width."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -135,19 +136,31 @@ class LiveBytes(TorchDispatchMode):
     A *window* (`open_window` ... `close_window`, e.g. one segment's recomputation) is measured
     apart: ``outside_peak`` is the peak over the ops outside every window, `close_window`
     returns how far the window rose above the bytes live when it opened.
+    `created_after_peak` is what is alive now but did not exist at that outside peak (the
+    optimizer state a first step creates after backward: it is there for every later step).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        #: storage address -> (weak ref, bytes, serial: order of creation)
+        self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        self._serial = 0
         self.bytes = 0
         self.peak = 0
         self.outside_peak = 0
         self._window: tuple[int, int] | None = None  # (bytes at its opening, its peak)
+        self._peak_serial = 0  # storages created up to the outside peak have serials <= it
 
     def open_window(self) -> None:
         self._sweep()
         self._window = (self.bytes, self.bytes)
+
+    def created_after_peak(self) -> int:
+        """Bytes alive now that were not alive at the outside peak (cyclic garbage collected
+        first: what waits for the collector is not carried)."""
+        gc.collect()
+        self._sweep()
+        return sum(n for _, n, serial in self._live.values() if serial > self._peak_serial)
 
     def close_window(self) -> int:
         """Bytes the window rose above its opening at most (0 if none was open)."""
@@ -155,7 +168,7 @@ class LiveBytes(TorchDispatchMode):
         return 0 if window is None else window[1] - window[0]
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
         for k in dead:
             self.bytes -= self._live.pop(k)[1]
 
@@ -170,11 +183,14 @@ class LiveBytes(TorchDispatchMode):
                     continue
                 ref = StorageWeakRef(storage)
                 if ref.cdata not in self._live:
-                    self._live[ref.cdata] = (ref, storage.nbytes())
+                    self._serial += 1
+                    self._live[ref.cdata] = (ref, storage.nbytes(), self._serial)
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         if self._window is None:
-            self.outside_peak = max(self.outside_peak, self.bytes)
+            if self.bytes > self.outside_peak:
+                self.outside_peak = self.bytes
+                self._peak_serial = self._serial
         else:
             self._window = (self._window[0], max(self._window[1], self.bytes))
         return out

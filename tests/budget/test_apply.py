@@ -58,12 +58,15 @@ def _measured_step(model, ctl, graph, opt) -> int:
 
 @pytest.fixture(scope="module")
 def least():
-    """The smallest feasible budget the planner names for `_graph(600)`, and its plan."""
-    model = _model()
-    ctl = compress_gnn(model, memory_budget="1GiB")
-    _train(model, ctl, _graph(600), 1)
-    st = ctl.budget.plan_state
-    ctl.remove()
+    """The smallest feasible budget the planner names for `_graph(600)`, and its plan. Taken
+    from a second run: the first in a process also creates process-wide objects (a few KiB)
+    after its peak, which the profile counts as carried into later steps."""
+    for _ in range(2):
+        model = _model()
+        ctl = compress_gnn(model, memory_budget="1GiB")
+        _train(model, ctl, _graph(600), 1)
+        st = ctl.budget.plan_state
+        ctl.remove()
     return st.least_budget, st
 
 
