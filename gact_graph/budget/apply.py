@@ -13,7 +13,9 @@ change the same way).
 
 **Predicted peak.** ``rest + fixed + plan.memory + transient``: ``rest`` is what exists before
 the step (CUDA: ``memory_allocated`` at its start; CPU: parameters, buffers and the model's
-inputs, counted); ``fixed`` the bytes no option changes (masks, indices, small tensors);
+inputs, counted, plus what the profile step created after its peak and still held at its end,
+the optimizer state of a first step); ``fixed`` the bytes no option changes (masks, indices,
+small tensors);
 ``plan.memory`` the resident bytes of the chosen options plus the largest recompute rise
 (a recomputed segment's measured rise: restored inputs, fp32 intermediates, what it saves
 again); ``transient`` what the profile step held beyond its stored bytes outside the

@@ -41,3 +41,16 @@ def test_compressed_bytes_is_what_a_qtensor_holds():
             for t in (q.meta if isinstance(q.meta, tuple) else [q.meta])
         )
         assert compressed_bytes(tuple(x.shape), bits, 256) == held
+
+
+def test_created_after_peak_is_what_a_later_step_starts_with():
+    with LiveBytes() as live:
+        a = torch.ones(2000)  # 8000
+        b = a * 2  # peak 16000
+        del a, b
+        state = torch.zeros(500)  # 2000, created after the peak and kept (optimizer state)
+        scratch = torch.zeros(100)
+        del scratch
+        torch.zeros(1)  # an op after the del: the sweep sees it freed
+    assert live.outside_peak == 16000
+    assert live.created_after_peak() == 2000 and state.numel() == 500
