@@ -905,35 +905,40 @@ class SensitivityProbe:
         self._finish_read(name, read=False)
 
     def _advance(self, acc: dict[int, Tensor], edge, held: list[Tensor]):
-        """Run the node that the gradient in ``held`` enters on it by hand; return the edges
-        and gradients it emits (what reaches a parameter is added to ``acc``) after taking
-        that gradient out of ``held``, so that it is released before the partial backward
-        below (a partial backward holds the gradients it starts from to its end). ``None``,
-        ``held`` untouched, for a node it leaves alone: only C++ nodes and this package's own
-        Functions are run by hand (another Python node may accumulate into ``.grad`` itself,
-        e.g. a reentrant checkpoint)."""
-        fn, nr = edge.node, edge.output_nr
+        """Run the node that the gradient in ``held`` enters, alone, and return the edges and
+        gradients it emits (what reaches a parameter is added to ``acc``) after taking that
+        gradient out of ``held``, so that it is released before the partial backward below (a
+        partial backward holds the gradients it starts from to its end). The node runs in a
+        backward of its own (``torch.autograd.grad`` stopped at its input edges), as the
+        partial backwards do: a checkpoint segment counts its unpacks per backward pass.
+        ``None``, ``held`` untouched, for a node it leaves alone: only C++ nodes and this
+        package's own Functions are run ahead (another Python node may accumulate into
+        ``.grad`` itself, e.g. a reentrant checkpoint)."""
+        fn = edge.node
         ours = getattr(getattr(fn, "_forward_cls", None), "__module__", "").startswith("gact_graph")
         if (not callable(fn) and not ours) or getattr(fn, "variable", None) is not None:
             return None
-        args: list[Tensor | None] = [None] * len(fn._input_metadata)
-        args[nr] = held.pop()
-        out = list(self._replay(fn, args))
-        args = None
+        targets: dict[tuple[int, int], GradientEdge] = {}
+        for nxt, nnr in fn.next_functions:
+            if nxt is not None:
+                targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
+        if not targets:
+            return None
+        ins = list(targets.values())
+        grad = torch.autograd.grad
+        out = list(grad([edge], ins, [held.pop()], retain_graph=True, allow_unused=True))
         edges, grads = [], []
-        for k in range(len(out)):
+        for k, target in enumerate(ins):
             o, out[k] = out[k], None
-            nxt, nnr = fn.next_functions[k] if k < len(fn.next_functions) else (None, 0)
-            if o is None or nxt is None or not o.is_floating_point() or not bool(o.any()):
+            if o is None or not o.is_floating_point() or not bool(o.any()):
                 continue
-            var = getattr(nxt, "variable", None)
+            var = getattr(target.node, "variable", None)
             if var is not None:
                 if id(var) in self._param_ids:
-                    self._add(acc, var, o.sum_to_size(var.shape))
+                    self._add(acc, var, o)
                 continue
-            shape = tuple(nxt._input_metadata[nnr].shape)
-            edges.append(GradientEdge(nxt, nnr))
-            grads.append(o if tuple(o.shape) == shape else o.sum_to_size(shape))
+            edges.append(target)
+            grads.append(o)
         return edges, grads
 
     def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
