@@ -2,13 +2,13 @@
 `test_probe_memory.py`: run as a script in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` set
 low, so that every large tensor is its own mapping and the resident set follows the live bytes.
 
-    python tests/policy/rss_steps.py MODEL MODE  ->  one JSON line, a list of per-step peaks
+    python tests/policy/rss_steps.py MODEL MODE [STEPS]  ->  one JSON line, per-step peaks
 
 MODE is ``fixed`` or ``adaptive``; each runs in its own process, so neither pays for what the
 other allocated first (thread pools, the allocator's first mappings).
 
 Each list: per step, the peak resident set during the step minus the resident set before it
-(MiB), steps 0-8 (the default mode probes steps 0, 1, 3 and 7)."""
+(MiB), steps 0 to STEPS - 1 (default 9; the default mode probes steps 0, 1, 3 and 7)."""
 
 import json
 import sys
@@ -49,4 +49,5 @@ if __name__ == "__main__":
     name, mode = sys.argv[1], sys.argv[2]
     if mode not in ("fixed", "adaptive"):
         raise SystemExit(f"MODE must be fixed or adaptive, got {mode!r}")
-    print(json.dumps(step_peaks(name, mode == "adaptive")))
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 9
+    print(json.dumps(step_peaks(name, mode == "adaptive", steps=steps)))
