@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph.cpus import usable_cpus
 
@@ -73,6 +75,23 @@ def cora(cora_root):
     from gact_graph.datasets import load_dataset
 
     return load_dataset("cora", root=str(cora_root))
+
+
+@pytest.fixture(autouse=True)
+def no_global_mode_left_behind():
+    """Fail a test that leaves a process-wide torch mode or saved-tensor hook installed: the
+    tests after it would run under it (a `LiveBytes` dispatch mode left by a failed budget
+    profile step once made the rest of the suite 10-30x slower, and a leftover hook would
+    compress every later test's autograd graph)."""
+    yield
+    left = [
+        *(f"dispatch mode {type(m).__name__}" for m in _get_current_dispatch_mode_stack()),
+        *(f"torch-function mode {type(m).__name__}" for m in _get_current_function_mode_stack()),
+    ]
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        left.append("saved-tensor hooks")
+    if left:
+        pytest.fail(f"left installed after the test: {', '.join(left)}")
 
 
 @pytest.fixture(scope="module")

@@ -168,6 +168,7 @@ class BudgetPlanner:
         ctl.report_extra.append(self.report)
 
         def undo() -> None:
+            self._end_live()
             if ctl.bits_policy == self.bits_for:
                 ctl.bits_policy = None
 
@@ -318,8 +319,23 @@ class BudgetPlanner:
         )
         self._recomputed_peak = max(self._recomputed_peak, held)
 
+    def _end_live(self) -> LiveBytes | None:
+        """Take the profile step's `LiveBytes` mode off the dispatch stack (it is pushed when
+        the profile forward starts and normally popped by ``iterate``): left on, it would slow
+        every later op of the process by walking the live-tensor table."""
+        live, self._live = self._live, None
+        if live is not None:
+            live.__exit__(None, None, None)
+        return live
+
     def _after_forward(self, module, args, output) -> None:
-        if self._phase is None or self._forward is not None:
+        if self._phase is None:
+            return
+        if output is None:  # the forward raised (``always_call``): no step to measure
+            self._phase = None
+            self._end_live()
+            return
+        if self._forward is not None:
             return
         stats = self.ctl.stats()
         self._forward = {"tensors": stats["tensors"], "stored": stats["total"]["stored_bytes"]}
@@ -376,6 +392,7 @@ class BudgetPlanner:
         self._lower_bound = need
         if need > self.budget:
             self._phase = None
+            self._end_live()
             raise BudgetError(
                 f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
                 f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
@@ -389,9 +406,7 @@ class BudgetPlanner:
 
     def _after_step(self, ctl: Controller) -> None:
         phase, self._phase = self._phase, None
-        live, self._live = self._live, None
-        if live is not None:
-            live.__exit__(None, None, None)
+        live = self._end_live()
         if phase is None or self._forward is None:
             return
         peak = self._meter.peak()

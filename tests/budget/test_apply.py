@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph import compress_gnn
 from gact_graph.budget import DEFAULT_MARGIN, BudgetError
@@ -117,7 +118,27 @@ def test_infeasible_budget_raises_before_backward_naming_the_smallest():
     with pytest.raises(BudgetError, match=r"smallest feasible budget is at least [0-9.]+ [KM]iB"):
         model(x, ei)  # the profile step's forward already knows
     assert all(p.grad is None for p in model.parameters())
+    # the profile step's live-bytes mode is off the dispatch stack (left there, it slowed
+    # every later op of the process 10-30x, the rest of the test suite included)
+    assert _get_current_dispatch_mode_stack() == []
     ctl.remove()
+
+
+def test_a_failing_profile_forward_leaves_no_mode_behind():
+    model = _model()
+    x, ei, y = _graph(600)
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    with pytest.raises(RuntimeError):
+        model(x[:, :5], ei)  # wrong feature width: the user's own error, inside forward
+    assert _get_current_dispatch_mode_stack() == []
+    _train(model, ctl, (x, ei, y), 2)  # the next steps profile and plan as usual
+    assert ctl.budget.plan_state is not None
+    ctl.remove()
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    model(x, ei)  # a profile forward, never iterated: the mode is on until remove()
+    assert [type(m) for m in _get_current_dispatch_mode_stack()] == [LiveBytes]
+    ctl.remove()
+    assert _get_current_dispatch_mode_stack() == []
 
 
 def test_budget_below_the_named_least_raises_at_the_profile_step_naming_it(least):
