@@ -53,10 +53,7 @@ import train_full_batch as full  # noqa: E402  (its flags, presets and summary, 
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.cpus import usable_cpus  # noqa: E402
 from gact_graph.datasets import (  # noqa: E402
-    DatasetNotFoundError,
-    ProcessedDataError,
     evaluate,
-    load_dataset,
 )
 from gact_graph.memory import count_saved_bytes, peak_memory  # noqa: E402
 from gact_graph.models import build_model  # noqa: E402
@@ -347,30 +344,8 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cfg = resolve_config(args)
-    synthetic = {}
-    if args.scale is not None:
-        synthetic["scale"] = args.scale
-    if args.num_nodes is not None:
-        synthetic["num_nodes"] = args.num_nodes
-    if synthetic and not args.dataset.lower().startswith("synthetic"):
-        raise SystemExit("--scale/--num-nodes apply to synthetic datasets only")
-
-    torch.set_num_threads(args.threads or usable_cpus())
-    start = time.perf_counter()
-    try:
-        data = load_dataset(args.dataset, root=args.root, **synthetic)
-    except (DatasetNotFoundError, ProcessedDataError) as err:  # the message says what to do
-        hint = ""
-        if not args.dataset.lower().startswith("synthetic"):
-            hint = f"\n(offline stand-in of the same size: --dataset synthetic-{args.dataset})"
-        raise SystemExit(f"error: {err}{hint}") from None
-    load_s = time.perf_counter() - start
-    data = data.to(args.device)
-    bits = (
-        "fp32"
-        if args.bits is None
-        else f"{args.bits} bits" + (" fixed" if args.fixed_bits else " adaptive")
-    )
+    data, load_s = full.load_data(args)
+    bits = full.bits_label(args)
     loader = (
         f"NeighborLoader(batch_size={args.batch_size}, "
         f"num_neighbors={args.num_neighbors or [10] * cfg['model']['num_layers']})"
