@@ -4,6 +4,9 @@ low, so that every large tensor is its own mapping and the resident set follows 
 
     python tests/policy/rss_steps.py MODEL MODE [STEPS]  ->  one JSON line, per-step peaks
 
+MODEL is ``gcn`` / ``gat`` (3 layers), ``gcnii`` (8 layers) or ``gcnii64`` (64 layers, on
+10,000 nodes rather than 30,000: CI time).
+
 MODE is ``fixed`` or ``adaptive``; each runs in its own process, so neither pays for what the
 other allocated first (thread pools, the allocator's first mappings).
 
@@ -23,12 +26,13 @@ from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.memory import _reset_rss_peak, _rss_bytes  # noqa: E402
 
 
-def step_peaks(name: str, adaptive: bool, n: int = 30_000, f: int = 64, steps: int = 9):
+def step_peaks(name: str, adaptive: bool, f: int = 64, steps: int = 9):
+    n = 10_000 if name == "gcnii64" else 30_000
     torch.manual_seed(0)
     x, ei = torch.randn(n, f), torch.randint(0, n, (2, 8 * n))
     y = torch.randint(0, 8, (n,))
-    layers = 8 if name == "gcnii" else 3
-    model = build_model(name, f, 8, num_layers=layers, hidden_channels=64)
+    layers = {"gcnii": 8, "gcnii64": 64}.get(name, 3)
+    model = build_model(name.removesuffix("64"), f, 8, num_layers=layers, hidden_channels=64)
     ctl = compress_gnn(model, bits=2, adaptive=adaptive)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     peaks = []
