@@ -94,18 +94,16 @@ def dataset_name(text: str) -> str:
     return text
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def base_parser(
+    doc: str, models: list[str], dataset_help: str, adj_t_help: str
+) -> argparse.ArgumentParser:
+    """The flags this example and the mini-batch one share (same names and meaning), with the
+    first paragraph of ``doc`` as the description; the first of ``models`` is the default."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument(
-        "--dataset",
-        type=dataset_name,
-        default="synthetic",
-        help="ogbn-arxiv, ogbn-products, flickr, reddit, yelp, cora, citeseer, "
-        "pubmed,\nsynthetic (default) or synthetic-<name>",
-    )
-    p.add_argument("--model", choices=["gcn", "gat", "gcnii"], default="gcn")
+    p.add_argument("--dataset", type=dataset_name, default="synthetic", help=dataset_help)
+    p.add_argument("--model", choices=models, default=models[0])
     p.add_argument("--layers", type=positive_int, help="number of layers (preset)")
     p.add_argument("--hidden", type=positive_int, help="hidden width, per head for GAT (preset)")
     p.add_argument("--heads", type=positive_int, help="GAT heads per hidden layer (preset)")
@@ -152,18 +150,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--scale", type=positive_float, help="synthetic graphs: size relative to the real one"
     )
     p.add_argument("--num-nodes", type=positive_int, help="synthetic graphs: number of nodes")
-    p.add_argument(
-        "--adj-t",
-        action="store_true",
-        help="GCN/GCNII: propagate with the cached normalized sparse adjacency\n"
-        "data.adj_t (torch.sparse_csr) instead of edge_index",
-    )
+    p.add_argument("--adj-t", action="store_true", help=adj_t_help)
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
+    return p
+
+
+def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` once the checks argparse cannot make alone pass (else ``p.error``)."""
     if len(args.seeds) == 1 and args.seeds[0] < 1:
         p.error(f"argument --seeds: one number counts the seeds, at least 1, got {args.seeds[0]}")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(
+        __doc__,
+        ["gcn", "gat", "gcnii"],
+        dataset_help="ogbn-arxiv, ogbn-products, flickr, reddit, yelp, cora, citeseer, "
+        "pubmed,\nsynthetic (default) or synthetic-<name>",
+        adj_t_help="GCN/GCNII: propagate with the cached normalized sparse adjacency\n"
+        "data.adj_t (torch.sparse_csr) instead of edge_index",
+    )
+    return checked(p, p.parse_args(argv))
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -51,7 +51,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_full_batch as full  # noqa: E402  (its flags, presets and summary, shared)
 
 from gact_graph import compress_gnn  # noqa: E402
-from gact_graph.cpus import usable_cpus  # noqa: E402
 from gact_graph.datasets import (  # noqa: E402
     evaluate,
 )
@@ -71,66 +70,14 @@ def sampler_available() -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    # --- the flags of train_full_batch.py, same names and meaning
-    p.add_argument(
-        "--dataset",
-        type=full.dataset_name,
-        default="synthetic",
-        help="flickr, reddit, yelp, ogbn-products, ogbn-arxiv, cora, citeseer, pubmed,\n"
+    p = full.base_parser(
+        __doc__,
+        ["sage", "gcn", "gat", "gcnii"],
+        dataset_help="flickr, reddit, yelp, ogbn-products, ogbn-arxiv, cora, citeseer, pubmed,\n"
         "synthetic (default) or synthetic-<name>",
+        adj_t_help="full-batch only (a cached normalized adjacency of the whole graph); refused "
+        "here",
     )
-    p.add_argument("--model", choices=["sage", "gcn", "gat", "gcnii"], default="sage")
-    p.add_argument("--layers", type=full.positive_int, help="number of layers (preset)")
-    p.add_argument("--hidden", type=full.positive_int, help="hidden width, per head for GAT")
-    p.add_argument("--heads", type=full.positive_int, help="GAT heads per hidden layer (preset)")
-    p.add_argument("--epochs", type=full.positive_int, help="maximum epochs (preset)")
-    p.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="one number: that many seeds 0..N-1; several: those seeds",
-    )
-    p.add_argument(
-        "--bits", type=full.parse_bits, default=2, help="'fp32' or the bit width (default 2)"
-    )
-    p.add_argument(
-        "--fixed-bits",
-        action="store_true",
-        help="same bits for every tensor (default: adaptive allocation)",
-    )
-    p.add_argument("--root", default=None, help="dataset folder (default $GACT_GRAPH_DATA or data)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--threads",
-        type=full.positive_int,
-        help=f"torch CPU threads (default: the CPUs this process may use, here {usable_cpus()})",
-    )
-    p.add_argument("--lr", type=float, help="learning rate (preset)")
-    p.add_argument("--weight-decay", type=float, help="weight decay (preset)")
-    p.add_argument(
-        "--weight-decay-conv", type=float, help="GCNII: weight decay of the convolutions (preset)"
-    )
-    p.add_argument("--dropout", type=float, help="dropout (preset)")
-    p.add_argument(
-        "--patience",
-        type=full.non_negative_int,
-        help="stop after this many epochs without a better validation metric (preset; 0 = never)",
-    )
-    p.add_argument(
-        "--scale", type=full.positive_float, help="synthetic graphs: size relative to the real one"
-    )
-    p.add_argument("--num-nodes", type=full.positive_int, help="synthetic graphs: number of nodes")
-    p.add_argument(
-        "--adj-t",
-        action="store_true",
-        help="full-batch only (a cached normalized adjacency of the whole graph); refused here",
-    )
-    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     # --- mini-batch only
     p.add_argument(
         "--loader",
@@ -163,9 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="batches of the last epoch whose saved bytes are reported (default 8)",
     )
-    args = p.parse_args(argv)
-    if len(args.seeds) == 1 and args.seeds[0] < 1:
-        p.error(f"argument --seeds: one number counts the seeds, at least 1, got {args.seeds[0]}")
+    args = full.checked(p, p.parse_args(argv))
     if args.adj_t:
         p.error("--adj-t is full-batch only: every mini-batch is a new graph (use edge_index)")
     if args.loader == "auto":
