@@ -47,16 +47,18 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from functools import reduce
 from typing import Any
 
 import numpy as np
 
-from gact_graph.config import PLAN_BITS
 from gact_graph.policy.adaptive import (
     ADAPTER_OPTIONS,
     DEFAULT_LADDER,
     Adapter,
+    allocator_inputs,
+    backtrack,
+    dp_units,
+    mck_table,
     plan_cost_bits,
 )
 from gact_graph.policy.sensitivity import S
@@ -117,16 +119,8 @@ def allocate_bits_bounded(
         One ladder value per tensor. Raises :class:`BoundInfeasible` when the ladder's top
         width for every tensor still exceeds the bound.
     """
-    lad = tuple(sorted(set(int(b) for b in ladder)))
-    if not lad or any(b not in PLAN_BITS for b in lad):
-        raise ValueError(f"ladder must be a non-empty subset of {PLAN_BITS}, got {tuple(ladder)}")
-    n = len(c)
-    if len(D) != n or (meta_bytes is not None and len(meta_bytes) != n):
-        raise ValueError("c, D and meta_bytes must have one entry per tensor")
-    meta = [0] * n if meta_bytes is None else [int(m) for m in meta_bytes]
-    cs = [float(v) for v in c]
-    if any(not math.isfinite(v) or v < 0 for v in cs):
-        raise ValueError("sensitivities must be finite and >= 0")
+    lad, cs, D, meta = allocator_inputs(c, D, ladder, meta_bytes)
+    n = len(cs)
     bound = float(max_variance)
     if not bound >= 0 or math.isinf(bound):
         raise ValueError(f"max_variance must be finite and >= 0, got {max_variance}")
@@ -151,37 +145,13 @@ def allocate_bits_bounded(
 
 def _dp_min_cost(vals, costs, bound: float, max_cells: int) -> list[int]:
     """The cheapest choice per item with summed value <= ``bound`` (see the caller)."""
-    n, m = len(vals), len(vals[0])
-    base = [min(row) for row in costs]
-    inc = [[x - b for x in row] for row, b in zip(costs, base)]
+    inc = [[x - min(row) for x in row] for row in costs]
     span = sum(max(row) for row in inc)  # extra cost of the dearest plan
-    unit = reduce(math.gcd, [x for row in inc for x in row if x > 0], 0) or 1
-    states = span // unit + 1
-    if n * states > max_cells:  # coarse DP: round costs up, the true variances stay
-        unit = max(unit, -(-span // max(1, max_cells // n - 1)))
-        states = span // unit + 1
-    w = [[-(-x // unit) for x in row] for row in inc]
+    w, states, _ = dp_units(inc, span, max_cells)
     states = max(states, sum(max(row) for row in w) + 1)  # rounding up may widen the span
-    f = np.zeros(states, dtype=np.float64)
-    picks = np.zeros((n, states), dtype=np.int8)
-    for i in range(n):
-        best = np.full(states, np.inf)
-        arg = np.zeros(states, dtype=np.int8)
-        for j in range(m):
-            wj = w[i][j]
-            cand = np.full(states, np.inf)
-            cand[wj:] = f[: states - wj] + vals[i][j]
-            better = cand < best
-            best = np.where(better, cand, best)
-            arg[better] = j
-        f, picks[i] = best, arg
+    f, picks = mck_table(vals, w, states)
     cap = int(np.flatnonzero(f <= bound)[0])  # f[-1] is the least variance: feasible
-    choice = [0] * n
-    for i in range(n - 1, -1, -1):
-        j = int(picks[i, cap])
-        choice[i] = j
-        cap -= w[i][j]
-    return choice
+    return backtrack(picks, w, cap)
 
 
 def _downgrade(choice: list[int], vals, costs, bound: float) -> None:

@@ -99,6 +99,22 @@ def _check_ladder(ladder: Sequence[int]) -> tuple[int, ...]:
     return lad
 
 
+def allocator_inputs(
+    c: Sequence[float], D: Sequence[int], ladder: Sequence[int], meta_bytes
+) -> tuple[tuple[int, ...], list[float], list[int], list[int]]:
+    """The inputs of an allocator (this module's and `policy.acgc`'s), checked: the ladder
+    sorted, the sensitivities, sizes and metadata bytes as lists of one entry per tensor."""
+    lad = _check_ladder(ladder)
+    n = len(c)
+    if len(D) != n or (meta_bytes is not None and len(meta_bytes) != n):
+        raise ValueError("c, D and meta_bytes must have one entry per tensor")
+    meta = [0] * n if meta_bytes is None else [int(m) for m in meta_bytes]
+    cs = [float(v) for v in c]
+    if any(not math.isfinite(v) or v < 0 for v in cs):
+        raise ValueError("sensitivities must be finite and >= 0")
+    return lad, cs, [int(d) for d in D], meta
+
+
 # ---------------------------------------------------------------------------------- solver
 def allocate_bits(
     c: Sequence[float],
@@ -126,17 +142,9 @@ def allocate_bits(
         One ladder value per tensor. Raises ``ValueError`` if even the cheapest plan does not
         fit.
     """
-    lad = _check_ladder(ladder)
-    n = len(c)
-    if len(D) != n or (meta_bytes is not None and len(meta_bytes) != n):
-        raise ValueError("c, D and meta_bytes must have one entry per tensor")
-    meta = [0] * n if meta_bytes is None else [int(m) for m in meta_bytes]
-    cs = [float(v) for v in c]
-    if any(not math.isfinite(v) or v < 0 for v in cs):
-        raise ValueError("sensitivities must be finite and >= 0")
-    if n == 0:
+    lad, cs, Ds, meta = allocator_inputs(c, D, ladder, meta_bytes)
+    if not cs:
         return []
-    Ds = [int(d) for d in D]
     costs = [[_cost(b, d, m) for b in lad] for d, m in zip(Ds, meta)]
     vals = [[cl * S(b) for b in lad] for cl in cs]
     base = sum(min(row) for row in costs)
@@ -154,14 +162,32 @@ def allocate_bits(
 def _dp(vals, inc, slack: int, max_cells: int) -> list[int]:
     """Multiple-choice knapsack by DP over capacity (``f[w]``: best value with extra cost
     <= ``w`` units); exact when the unit is the gcd of all increments."""
-    n, m = len(vals), len(vals[0])
+    w, states, exact = dp_units(inc, slack, max_cells)
+    _, picks = mck_table(vals, w, states)
+    return backtrack(picks, w, states - 1), exact
+
+
+def dp_units(inc, span: int, max_cells: int) -> tuple[list[list[int]], int, bool]:
+    """The cost increments ``inc`` (>= 0) in DP units, the number of capacity states up to
+    ``span``, and whether the unit is exact: the gcd of all increments, unless the table
+    (items x states) would exceed ``max_cells``; then a coarser unit, costs rounded *up* so
+    that whatever the DP admits still fits the true costs."""
+    n = max(1, len(inc))
     unit = reduce(math.gcd, [x for row in inc for x in row if x > 0], 0) or 1
-    states = slack // unit + 1
+    states = span // unit + 1
     exact = n * states <= max_cells
-    if not exact:  # coarse DP: round costs up, so the budget still holds
-        unit = max(unit, -(-slack // max(1, max_cells // n - 1)))
-        states = slack // unit + 1
-    w = [[-(-x // unit) for x in row] for row in inc]
+    if not exact:
+        unit = max(unit, -(-span // max(1, max_cells // n - 1)))
+        states = span // unit + 1
+    return [[-(-x // unit) for x in row] for row in inc], states, exact
+
+
+def mck_table(vals, w, states: int) -> tuple[np.ndarray, np.ndarray]:
+    """Multiple-choice knapsack table: ``f[s]``, the least summed value of one choice per item
+    whose summed weight ``w[i][j]`` is at most ``s``, and ``picks[i, s]``, item ``i``'s choice
+    there (`backtrack` reads a plan from it). Shared by this module's allocator (least
+    variance under a cost) and `policy.acgc`'s (least cost under a variance)."""
+    n, m = len(vals), len(vals[0])
     f = np.zeros(states, dtype=np.float64)
     picks = np.zeros((n, states), dtype=np.int8)
     for i in range(n):
@@ -177,13 +203,17 @@ def _dp(vals, inc, slack: int, max_cells: int) -> list[int]:
             best = np.where(better, cand, best)
             arg[better] = j
         f, picks[i] = best, arg
-    choice = [0] * n
-    cap = states - 1
-    for i in range(n - 1, -1, -1):
+    return f, picks
+
+
+def backtrack(picks: np.ndarray, w, cap: int) -> list[int]:
+    """The choice per item of the plan `mck_table` found at capacity ``cap``."""
+    choice = [0] * len(picks)
+    for i in range(len(picks) - 1, -1, -1):
         j = int(picks[i, cap])
         choice[i] = j
         cap -= w[i][j]
-    return choice, exact
+    return choice
 
 
 def _exchange(choice: list[int], vals, costs, budget: int, max_rounds: int = 20) -> None:
