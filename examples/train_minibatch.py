@@ -51,9 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_full_batch as full  # noqa: E402  (its flags, presets and summary, shared)
 
 from gact_graph import compress_gnn  # noqa: E402
-from gact_graph.datasets import (  # noqa: E402
-    evaluate,
-)
+from gact_graph.datasets import evaluate  # noqa: E402
 from gact_graph.memory import count_saved_bytes, peak_memory  # noqa: E402
 from gact_graph.models import build_model  # noqa: E402
 
