@@ -20,9 +20,9 @@ ALLOWED = {
     "kernels": set(),
     "config": set(),
     "core": {"kernels", "config"},
-    "sparse": {"config"},
+    "sparse": {"config", "lean"},
     "ops": {"core", "config"},  # core: type annotations only (TYPE_CHECKING)
-    "policy": {"core", "kernels", "config"},
+    "policy": {"core", "kernels", "config", "lean"},
     "api": {"config", "core", "policy", "ops", "sparse", "budget"},
     "budget": {"core", "kernels", "config", "policy"},  # the memory-budget planner
     "memory": {"config", "core"},
@@ -31,6 +31,7 @@ ALLOWED = {
     "datasets": set(),
     "_moved": set(),
     "cpus": set(),
+    "lean": set(),  # the switch the probe sets and the attention backward reads
 }
 
 

@@ -139,6 +139,35 @@ class QTensor:
         fn = kq.triton_dequantize if _use_triton(self.packed) else kq.dequantize_reference
         return fn(self.packed, self.meta, self.bits, self.shape, self.dtype, self.layout)
 
+    def row_step(self) -> int:
+        """Rows per group (1 when groups split rows): `rows` must start on a multiple."""
+        return self.layout.rows_per_group
+
+    def rows(self, r0: int, r1: int) -> QTensor:
+        """Rows ``r0:r1`` of the 2-D ``(R, C)`` view, as a ``(r1 - r0, C)`` `QTensor` that
+        shares this one's codes and metadata (a group never straddles two rows' worth of
+        groups, so a row range is a range of groups). ``r0`` must be a multiple of
+        `row_step`; its dequantization equals the same rows of `dequantize`."""
+        lay = self.layout
+        k, n = lay.rows_per_group, lay.groups_per_row
+        if not (0 <= r0 <= r1 <= lay.rows) or r0 % k:
+            raise ValueError(f"rows {r0}:{r1} of {lay.rows} do not start on a group (step {k})")
+        if k > 1:
+            first, last = r0 // k, -(-r1 // k)
+        else:
+            first, last = r0 * n, r1 * n
+        bpg = lay.packed_nbytes(self.bits) // max(lay.num_groups, 1)
+        sub = GroupLayout(last - first, lay.group_size, r1 - r0, lay.cols, n, k)
+        return QTensor(
+            self.packed[first * bpg : last * bpg],
+            self.meta[first:last],
+            self.bits,
+            torch.Size((r1 - r0, lay.cols)),
+            self.dtype,
+            sub,
+            self.seed,
+        )
+
     def group_params(self) -> tuple[Tensor, Tensor]:
         """Per-group fp32 ``(lo, scale)`` with ``dequant = lo + code * scale``.
 

@@ -66,8 +66,10 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, quantize
 from gact_graph.core.saved import tensors_in
+from gact_graph.lean import lean_backward
 
 __all__ = [
     "S",
@@ -357,33 +359,46 @@ def _add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) -
     return x
 
 
-def row_rounding_variance(x: Tensor, q: QTensor, kappa: float = 1.0) -> Tensor:
-    """Per row ``i`` of the 2-D ``x`` quantized as ``q``: the summed rounding variance of its
-    elements, ``s_i = kappa * sum_j step_g(ij)^2 / 6 * [x_ij != 0]`` (fp32, shape ``(rows,)``),
-    the model `_add_rounding_noise_` draws from. Computed in row chunks (`_row_chunks`), so it
-    never holds a tensor-sized temporary."""
+def nonzero_counts(x: Tensor, q: QTensor) -> Tensor:
+    """What `row_rounding_variance` needs of the 2-D ``x`` (quantized as ``q``) besides
+    ``q``'s own metadata, taken when ``x`` is packed and held until its backward: the number of
+    non-zeros of each row (groups of whole rows) or of each row's part of each group (rows
+    split into groups), in the narrowest integer type that holds them. A row vector of fp32
+    variances per tensor was a tenth of a 64-layer GCNII's compressed activations at 2 bits;
+    this is a quarter of that or less. Computed in row chunks (`_row_chunks`)."""
     lay = q.layout
     rows, cols = x.shape
-    out = torch.zeros(rows, dtype=torch.float32, device=x.device)
-    if q.num_groups == 0 or kappa <= 0 or rows == 0:
-        return out
-    _, step = _group_steps(q)
-    var = step[:, 0].float().square() * (kappa / 6.0)  # per group
     rpg, gpr, g = lay.rows_per_group, lay.groups_per_row, lay.group_size
+    most = cols if rpg > 1 else g
+    dtype = torch.uint8 if most <= 255 else torch.int16 if most <= 32767 else torch.int32
+    shape = (rows,) if rpg > 1 else (rows, gpr)
+    out = torch.zeros(shape, dtype=dtype, device=x.device)
     for r0, r1 in _row_chunks(q):
         nz = x[r0:r1] != 0
         if rpg > 1:  # a group holds rpg whole rows
-            out[r0:r1] = (
-                nz.sum(1, dtype=torch.float32) * var[torch.arange(r0, r1, device=x.device) // rpg]
-            )
+            out[r0:r1] = nz.sum(1, dtype=torch.int32).to(dtype)
         else:  # a row holds gpr groups of g columns
             pad = gpr * g - cols
             if pad:
                 nz = torch.nn.functional.pad(nz, (0, pad))
-            cnt = nz.view(r1 - r0, gpr, g).sum(2, dtype=torch.float32)
-            out[r0:r1] = (cnt * var[r0 * gpr : r1 * gpr].view(r1 - r0, gpr)).sum(1)
+            out[r0:r1] = nz.view(r1 - r0, gpr, g).sum(2, dtype=torch.int32).to(dtype)
         del nz
     return out
+
+
+def row_rounding_variance(q: QTensor, counts: Tensor, kappa: float = 1.0) -> Tensor:
+    """Per row ``i`` of ``q``'s 2-D tensor: the summed rounding variance of its elements,
+    ``s_i = kappa * sum_j step_g(ij)^2 / 6 * [x_ij != 0]`` (fp32, shape ``(rows,)``), the model
+    `_add_rounding_noise_` draws from, with ``counts`` from `nonzero_counts`."""
+    lay = q.layout
+    if q.num_groups == 0 or kappa <= 0 or lay.rows == 0:
+        return torch.zeros(lay.rows, dtype=torch.float32, device=counts.device)
+    _, step = _group_steps(q)
+    var = step[:, 0].float().square() * (kappa / 6.0)  # per group
+    if lay.rows_per_group > 1:  # a group holds rpg whole rows
+        rows = torch.arange(lay.rows, device=counts.device)
+        return counts.float() * var[rows // lay.rows_per_group]
+    return (counts.float() * var.view(lay.rows, lay.groups_per_row)).sum(1)
 
 
 #: autograd nodes that pass a gradient on unchanged in norm (shape or dtype only)
@@ -501,7 +516,8 @@ class SensitivityProbe:
         self._param_ids: set[int] = set()
         self._ctl_own: dict[str, Any] = {}
         self._kappa = weakref.WeakKeyDictionary()  # Stored -> rounding_variance_factor
-        self._row_var = weakref.WeakKeyDictionary()  # Stored -> per-row rounding variance
+        # Stored -> (`nonzero_counts`, kappa): its per-row rounding variance, compactly
+        self._nonzeros = weakref.WeakKeyDictionary()
         self._matmul_k: dict[int, tuple[int, bool]] = {}  # id(node) -> `_matmul_kind`
         # noise to propagate, deferred to the pre-hook of the first node it enters:
         # id(node) -> [_Seeds of every replay whose noise enters that node]; see `_defer`
@@ -575,6 +591,18 @@ class SensitivityProbe:
     def _busy(self) -> bool:
         return getattr(self._tls, "busy", False)
 
+    @contextlib.contextmanager
+    def _inside(self):
+        """The probe's own work (replays, partial backwards): its hooks stand aside, and the
+        backward kernels it runs take their lower-memory variants (`lean_backward`), since
+        all of it adds to what the user's backward holds."""
+        self._tls.busy = True
+        try:
+            with lean_backward():
+                yield
+        finally:
+            self._tls.busy = False
+
     def _pack(self, t: Tensor, inner):
         stored = inner(t)
         p = getattr(stored, "payload", None)
@@ -586,7 +614,7 @@ class SensitivityProbe:
                 # the replay draws its noise on the non-zeros of the dequantized copy
                 self._kappa[stored] = rounding_variance_factor(t, p, seed=seed, on="x_hat")
                 if self.closed_form and t.dim() == 2:  # what a matmul may read
-                    self._row_var[stored] = row_rounding_variance(t, p, kappa)
+                    self._nonzeros[stored] = (nonzero_counts(t, p), kappa)
             self.seconds += time.perf_counter() - t0
         return stored
 
@@ -594,6 +622,11 @@ class SensitivityProbe:
         over = self._override.get(id(stored))
         if over is not None:
             return over
+        mat1 = getattr(self._tls, "chunked_mat1", None)
+        if mat1 is not None and self._busy() and stored.kind == "activation":
+            p = stored.payload
+            if isinstance(p, QTensor) and tuple(p.shape) == mat1 and not torch.is_grad_enabled():
+                return RowChunked(p)
         t = inner(stored)
         if not self._busy():
             reads = getattr(self._tls, "reads", None)
@@ -620,6 +653,9 @@ class SensitivityProbe:
         matmul = kind is not None
 
         def hook(grad_outputs):
+            # inside a partial backward, a matmul reads its compressed mat1 in row chunks
+            shapes = self._matmul_shapes(node) if self._busy() else None
+            self._tls.chunked_mat1 = None if shapes is None else shapes[0]
             if not self._busy():
                 for seeds in self._pending.pop(id(node), ()):
                     self._propagate(seeds)
@@ -633,11 +669,27 @@ class SensitivityProbe:
 
         return hook
 
+    def _matmul_shapes(self, node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """``(mat1, mat2)`` shapes of an ``mm`` / ``addmm`` node whose ``mat2`` is a parameter
+        or a function of parameters (`_matmul_kind`), when ``mat1`` cannot be mistaken for
+        ``mat2`` (equal shapes); else ``None``. Such a node reads ``mat1`` only for
+        ``mat1^T G``, which `RowChunked` computes a row chunk at a time."""
+        kind = self._matmul_k.get(id(node))
+        if kind is None:
+            return None
+        if kind[0] == 1:
+            mat1, mat2 = node._saved_self_sym_sizes, node._saved_mat2_sym_sizes
+        else:
+            mat1, mat2 = node._saved_mat1_sym_sizes, node._saved_mat2_sym_sizes
+        mat1, mat2 = tuple(int(v) for v in mat1), tuple(int(v) for v in mat2)
+        return None if mat1 == mat2 else (mat1, mat2)
+
     def _grad_state(self) -> list[tuple[int, int]]:
         return [(-1, -1) if p.grad is None else (id(p.grad), p.grad._version) for p in self._params]
 
     def _post_hook(self, node):
         def hook(grad_inputs, grad_outputs):
+            self._tls.chunked_mat1 = None
             if self._busy():
                 return None
             reads = getattr(self._tls, "reads", None)
@@ -647,8 +699,7 @@ class SensitivityProbe:
             if not reads:
                 return None
             t0 = time.perf_counter()
-            self._tls.busy = True
-            try:
+            with self._inside():
                 self.ran = True
                 done: set[int] = set()
                 for i in range(len(reads)):
@@ -666,9 +717,7 @@ class SensitivityProbe:
                     except Exception as exc:  # a node we cannot replay: say so, never break
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
                     x_hat = None
-            finally:
-                self._tls.busy = False
-                self.seconds += time.perf_counter() - t0
+            self.seconds += time.perf_counter() - t0
             return None
 
         return hook
@@ -707,18 +756,16 @@ class SensitivityProbe:
         No replay and no temporary larger than a row chunk either way. Readers of one tensor
         estimated this way are counted without their cross-correlations (each draws its own
         noise). ``False`` when the node is not such a matmul: the replay estimates it."""
-        row_var = self._row_var.get(stored)
-        kind = self._matmul_k.get(id(node))
-        if row_var is None or kind is None or grad_outputs[0] is None:
-            return False
-        k, exact = kind
-        if k == 1:
-            mat1, mat2 = node._saved_self_sym_sizes, node._saved_mat2_sym_sizes
-        else:
-            mat1, mat2 = node._saved_mat1_sym_sizes, node._saved_mat2_sym_sizes
+        counts = self._nonzeros.get(stored)
         # the tensor must be mat1 (unambiguously: equal shapes could be either operand)
-        if tuple(shape) != tuple(mat1) or tuple(mat1) == tuple(mat2):
+        shapes = self._matmul_shapes(node)
+        if counts is None or shapes is None or grad_outputs[0] is None:
             return False
+        mat1, mat2 = shapes
+        if tuple(shape) != mat1:
+            return False
+        k, exact = self._matmul_k[id(node)]
+        row_var = row_rounding_variance(stored.payload, *counts)
         g = grad_outputs[0]
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if exact:
@@ -883,24 +930,23 @@ class SensitivityProbe:
             return
         seeds.done = True
         t0 = time.perf_counter()
-        self._tls.busy = True
         name = seeds.name
         edges, grads = seeds.edges, seeds.grads
         seeds.edges, seeds.grads = [], []
-        try:
-            acc = self._acc.setdefault(name, {})
-            while len(edges) == 1:  # a chain: walk it by hand, one gradient alive at a time
-                advanced = self._advance(acc, edges[0], grads)
-                if advanced is None:
-                    break
-                edges, grads = advanced
-            self._grad_into(acc, edges, grads)
-        except Exception as exc:  # never break the user's backward
-            self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
-        finally:
-            edges = grads = None
-            self._tls.busy = False
-            self.seconds += time.perf_counter() - t0
+        with self._inside():
+            try:
+                acc = self._acc.setdefault(name, {})
+                while len(edges) == 1:  # a chain: walk it by hand, one gradient alive at a time
+                    advanced = self._advance(acc, edges[0], grads)
+                    if advanced is None:
+                        break
+                    edges, grads = advanced
+                self._grad_into(acc, edges, grads)
+            except Exception as exc:  # never break the user's backward
+                self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
+            finally:
+                edges = grads = None
+        self.seconds += time.perf_counter() - t0
         self._open[name] -= 1
         self._finish_read(name, read=False)
 

@@ -70,6 +70,7 @@ from torch.nn.parameter import is_lazy
 from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
+from gact_graph.lean import is_lean
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
@@ -256,28 +257,34 @@ def _aggregate(
 
 
 def _aggregate_backward(
-    x_src: Tensor,
+    x_src: Tensor | None,
     beta: Tensor,
     grad_out: Tensor,
     col: Tensor,
     dst: Tensor,
     chunk: int,
-    need_x: bool,
-) -> tuple[Tensor | None, Tensor]:
-    """(grad x_src, grad beta) of `_aggregate`; two chunk tensors alive at a time."""
+    x_shape: tuple[int, ...] | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(grad x_src, grad beta) of `_aggregate`, two chunk tensors alive at a time: grad beta
+    when ``x_src`` is given, grad x_src (of shape ``x_shape``) when ``x_shape`` is; one pass
+    over the edges for both."""
     num_edges = col.numel()
-    heads, channels = x_src.shape[1:]
-    acc = _acc_dtype(x_src.dtype)
-    grad_beta = torch.empty(num_edges, heads, dtype=acc, device=x_src.device)
-    grad_x = torch.zeros(x_src.shape, dtype=acc, device=x_src.device) if need_x else None
+    acc = _acc_dtype(grad_out.dtype)
+    grad_beta = None
+    if x_src is not None:
+        grad_beta = torch.empty(num_edges, x_src.shape[1], dtype=acc, device=grad_out.device)
+    grad_x = None
+    if x_shape is not None:
+        grad_x = torch.zeros(x_shape, dtype=acc, device=grad_out.device)
     beta = beta.to(acc)
     for s in range(0, num_edges, chunk):
         e = min(s + chunk, num_edges)
         g = grad_out.index_select(0, dst[s:e]).to(acc)
-        xs = x_src.index_select(0, col[s:e]).to(acc)
-        # grad beta[e] = <grad_out[dst_e], x_src[src_e]> (per head) ...
-        torch.sum(xs.mul_(g), dim=-1, out=grad_beta[s:e])
-        del xs
+        if grad_beta is not None:
+            # grad beta[e] = <grad_out[dst_e], x_src[src_e]> (per head) ...
+            xs = x_src.index_select(0, col[s:e]).to(acc)
+            torch.sum(xs.mul_(g), dim=-1, out=grad_beta[s:e])
+            del xs
         # ... and grad x_src[src_e] += beta[e] * grad_out[dst_e].
         if grad_x is not None:
             grad_x.index_add_(0, col[s:e], g.mul_(beta[s:e].unsqueeze(-1)))
@@ -369,7 +376,21 @@ class GatAttentionFunction(torch.autograd.Function):
         )
         beta = alpha if noise is None else alpha * noise
 
-        grad_x, grad_beta = _aggregate_backward(x_src, beta, grad_out, col, dst, chunk, need_x)
+        x_shape, x_dtype = x_src.shape, x_src.dtype
+        if is_lean() and need_x and (need_src or need_dst):
+            # Two passes over the edges: the (dequantized) features are released before their
+            # gradient exists, one N x H x C tensor less at the peak (the probe's partial
+            # backwards, `gact_graph.lean`); the user's backward keeps the one pass.
+            _, grad_beta = _aggregate_backward(x_src, beta, grad_out, col, dst, chunk, None)
+            del x_src
+            grad_x, _ = _aggregate_backward(None, beta, grad_out, col, dst, chunk, x_shape)
+        else:
+            need_beta = need_src or need_dst
+            grad_x, grad_beta = _aggregate_backward(
+                x_src if need_beta else None, beta, grad_out, col, dst, chunk,
+                x_shape if need_x else None,
+            )  # fmt: skip
+            del x_src
         del beta
         grad_a_src = grad_a_dst = None
         if need_src or need_dst:
@@ -386,7 +407,7 @@ class GatAttentionFunction(torch.autograd.Function):
                 grad_a_dst.index_add_(0, dst, grad_logit)
                 grad_a_dst = grad_a_dst.to(a_dst.dtype)
         if grad_x is not None:
-            grad_x = grad_x.to(x_src.dtype)
+            grad_x = grad_x.to(x_dtype)
         return grad_x, grad_a_src, grad_a_dst, None, None, None, None, None, None
 
 
@@ -520,7 +541,9 @@ class GatV2AttentionFunction(torch.autograd.Function):
             ctx.dropout, num_edges, heads, out_dtype, x_l.device, perm, state
         )
         beta = alpha if noise is None else alpha * noise
-        grad_l, grad_beta = _aggregate_backward(x_l, beta, grad_out, col, dst, chunk, need_l)
+        grad_l, grad_beta = _aggregate_backward(
+            x_l, beta, grad_out, col, dst, chunk, x_l.shape if need_l else None
+        )
         del beta
         grad_r = grad_att = None
         if need_l or need_r or need_att:

@@ -53,11 +53,10 @@ def test_batchnorm_model_probe_within_the_fixed_bit_envelope():
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 is open for GAT: each replayed tensor's noise is carried through every "
-    "attention layer below in a partial backward on top of the user's backward (~1.2x)",
-)
 def test_attention_model_probe_within_the_fixed_bit_envelope():
-    p = _peaks("gat", steps=2)  # steps 0 and 1 both exceed it; more steps cost CI time only
+    """GAT + BatchNorm: each replayed tensor's noise runs a partial backward through the
+    attention layers below on top of the user's backward; it stays in the envelope because
+    there its matmuls read their compressed inputs in row chunks and the attention backward
+    releases its features before their gradient exists (`gact_graph.lean`)."""
+    p = _peaks("gat", steps=2)  # steps 0 and 1: the first step and a re-planning step
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p

@@ -165,13 +165,20 @@ def test_probe_agrees_with_algorithm_1_on_a_small_gcn():
     ctl.remove()
 
 
-def test_probe_agrees_with_algorithm_1_on_a_small_gat():
+def _small_gat(bits):
+    """A 3-layer GAT with BatchNorm and both dropouts, compressed at ``bits``, after one step:
+    ``(ctl, step)``."""
     torch.manual_seed(0)
     x, ei, y = _graph()
     model = GAT(16, 8, 4, num_layers=3, heads=2, dropout=0.3, attn_dropout=0.1, batch_norm=True)
-    ctl = compress_gnn(model, bits=4, adaptive=False, min_numel=256)
+    ctl = compress_gnn(model, bits=bits, adaptive=False, min_numel=256)
     step = _step_fn(model, x, ei, y)
     step()
+    return ctl, step
+
+
+def test_probe_agrees_with_algorithm_1_on_a_small_gat():
+    ctl, step = _small_gat(4)
     # BatchNorm saves its normalized input, whose sensitivity is close to its neighbours':
     # 8 repeats on both sides keep the ranks out of the noise (measured rho 0.85; 4: 0.80)
     ref = two_seed_sensitivity(ctl, step, repeats=8)
@@ -368,3 +375,56 @@ def test_closed_form_matmul_estimate_is_the_replays_expectation(widths):
         if n in linear:
             assert abs(closed[n] - mean[n]) <= err, (n, closed[n], mean[n], err)
         assert closed[n] > 0, n
+
+
+def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
+    """Inside the probe's partial backwards, a matmul reads its compressed input a row chunk
+    at a time (`RowChunked`) and GAT's backward takes its two-pass variant (`lean_backward`),
+    both for memory (issue 13): the estimates are those of the dense one-pass backward."""
+    from gact_graph import lean
+    from gact_graph.policy import sensitivity
+
+    ctl, step = _small_gat(2)
+    state = torch.get_rng_state()
+    made, lean_calls = [], []
+    real_chunked, real_is_lean = sensitivity.RowChunked, lean.is_lean
+
+    def chunked(q):
+        made.append(tuple(q.shape))
+        return real_chunked(q)
+
+    def is_lean():
+        lean_calls.append(real_is_lean())
+        return lean_calls[-1]
+
+    monkeypatch.setattr(sensitivity, "RowChunked", chunked)
+    monkeypatch.setattr("gact_graph.sparse.gat.is_lean", is_lean)
+    torch.set_rng_state(state)
+    got = probe_sensitivity(ctl, step, seed=5)
+    assert made and any(lean_calls), (made, lean_calls)
+
+    monkeypatch.setattr(sensitivity, "RowChunked", lambda q: q.dequantize())
+    monkeypatch.setattr("gact_graph.sparse.gat.is_lean", lambda: False)
+    torch.set_rng_state(state)
+    dense = probe_sensitivity(ctl, step, seed=5)
+    assert set(got) == set(dense) and len(got) >= 5
+    for name in got:
+        assert got[name] == pytest.approx(dense[name], rel=1e-4, abs=1e-12), name
+    ctl.remove()
+
+
+@pytest.mark.parametrize("shape", [(500, 64), (40, 700), (33, 256), (7, 3)])
+def test_row_rounding_variance_from_compact_counts_is_the_definition(shape):
+    """``s_i = kappa * sum_j step_ij^2 / 6 * [x_ij != 0]``, from `nonzero_counts` (held from
+    pack to backward in the narrowest integer type) and the tensor's own metadata."""
+    from gact_graph.policy.sensitivity import nonzero_counts, row_rounding_variance
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.relu(torch.randn(shape, generator=g))  # about half zeros
+    q = quantize(x, 2, seed=0)
+    counts = nonzero_counts(x, q)
+    assert counts.dtype in (torch.uint8, torch.int16)
+    assert counts.element_size() * counts.numel() <= shape[0] * 2 * max(1, shape[1] // 256 + 1)
+    want = 0.7 * (element_step(q).double().square() / 6 * (x != 0)).sum(1)
+    got = row_rounding_variance(q, counts, 0.7)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-12)

@@ -2,6 +2,9 @@
 mode, the exact gradient of its own forward under attention dropout, node-level saved state only,
 no edge x feature tensor in forward or backward, and close gradients when quantized."""
 
+import contextlib
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.utils import to_torch_coo_tensor
 
 from gact_graph import compress_gnn
+from gact_graph.lean import lean_backward
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.sparse import gat as sgat
 from gact_graph.sparse import install_sparse_paths
@@ -133,9 +137,11 @@ def _tiny_inputs(n=9, e=30, heads=2, channels=3, seed=0):
 @pytest.mark.parametrize("variant", ["gat", "gatv2"])
 @pytest.mark.parametrize("dropout", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize("chunk_bytes", [1, 2**30])
-def test_function_matches_reference(variant, dropout, chunk_bytes):
+@pytest.mark.parametrize("lean", [False, True])
+def test_function_matches_reference(variant, dropout, chunk_bytes, lean):
     """Against stock autograd with ``F.dropout`` drawn in another edge order than CSR's
-    (``perm``): same output and gradients, and the same global RNG state after the draw."""
+    (``perm``): same output and gradients, and the same global RNG state after the draw; the
+    same again under `lean_backward` (GAT's two-pass backward, which the probe runs)."""
     rowptr, col, x, a_src, a_dst, x_r, att = _tiny_inputs()
     perm = torch.randperm(col.numel(), generator=torch.Generator().manual_seed(3))
     if variant == "gat":
@@ -152,13 +158,30 @@ def test_function_matches_reference(variant, dropout, chunk_bytes):
     torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(fused.shape, dtype=fused.dtype)
     before_backward = torch.get_rng_state()
-    g_fused = torch.autograd.grad((fused * w).sum(), inputs)
+    with lean_backward() if lean else contextlib.nullcontext():
+        g_fused = torch.autograd.grad((fused * w).sum(), inputs)
     assert torch.equal(before_backward, torch.get_rng_state())  # the replay is private
     g_ref = torch.autograd.grad((ref * w).sum(), inputs)
     for a, b in zip(g_fused, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     if 0 < dropout < 1:  # the mask is really applied: some attention weights are zero
         assert not torch.allclose(ref, ref_fn(*inputs, rowptr, col.long(), 0.2, 0.0))
+
+
+@pytest.mark.parametrize("needs", [n for n in itertools.product([False, True], repeat=3) if any(n)])
+def test_lean_backward_gives_the_same_gradients_whichever_inputs_need_them(needs):
+    """GAT's two-pass backward (features released before their gradient exists) against its
+    one-pass backward, for every subset of ``(x, a_src, a_dst)`` that needs a gradient."""
+    rowptr, col, x, a_src, a_dst, _, _ = _tiny_inputs(seed=4)
+    inputs = [t.detach().requires_grad_(need) for t, need in zip((x, a_src, a_dst), needs)]
+    wanted = [t for t in inputs if t.requires_grad]
+    out = sgat.gat_attention(*inputs, rowptr, col, 0.2, 0.3, None, 64)
+    w = torch.randn(out.shape, dtype=out.dtype)
+    one_pass = torch.autograd.grad((out * w).sum(), wanted, retain_graph=True)
+    with lean_backward():
+        two_pass = torch.autograd.grad((out * w).sum(), wanted)
+    for a, b in zip(one_pass, two_pass, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("variant", ["gat", "gatv2"])
