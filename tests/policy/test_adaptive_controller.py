@@ -254,3 +254,41 @@ def test_bad_adapter_options():
     model = _model(num_layers=2)
     with pytest.raises(ValueError):
         compress_gnn(model, bits=1.5, adaptive=True, ladder=(2, 4))
+
+
+def test_a_probe_that_runs_out_of_memory_never_fails_the_step():
+    """Issue 13: no step of a model that fits at fixed bits may fail because it is adaptive.
+    The probe's own work (replays, partial backwards, closed forms) runs out of memory here at
+    every turn: the step still completes with the gradients it has without the probe, a
+    warning names the failure, and the tensors keep their bits."""
+    from gact_graph.policy import sensitivity
+
+    x, ei, y = _graph()
+
+    def first_step_grads(oom):
+        model = _model(batch_norm=True)
+        ctl = compress_gnn(model, bits=2, adaptive=True, min_numel=256)
+        torch.manual_seed(1)
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            if oom:
+
+                def out_of_memory(*args, **kwargs):
+                    raise torch.OutOfMemoryError("out of memory (simulated)")
+
+                for name in ("_replay", "_grad_into", "_advance"):
+                    mp.setattr(sensitivity.SensitivityProbe, name, out_of_memory)
+                mp.setattr(sensitivity, "row_rounding_variance", out_of_memory)
+            nn.functional.cross_entropy(model(x, ei), y).backward()
+            ctl.iterate()
+        grads = [p.grad.clone() for p in model.parameters()]
+        plan = dict(ctl.plan)
+        ctl.remove()
+        return grads, plan, [str(w.message) for w in rec]
+
+    clean, _, _ = first_step_grads(oom=False)
+    failed, plan, msgs = first_step_grads(oom=True)
+    for a, b in zip(clean, failed, strict=True):
+        assert torch.equal(a, b)
+    assert any("could not probe" in m and "out of memory" in m for m in msgs), msgs
+    assert plan and set(plan.values()) == {2}, plan
