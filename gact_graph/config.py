@@ -45,6 +45,9 @@ EXTRA_OPTIONS = {
     "hysteresis": "adaptive: how much better a new plan must be to replace the old",
     "budget_margin": "memory_budget: share of the budget kept free for what the prediction "
     "misses (default 0.1)",
+    "budget_rectify": "memory_budget: re-plan when a planned step's measured peak exceeds the "
+    "budget ('auto', the default: on CUDA, and on CPU when MALLOC_MMAP_THRESHOLD_ is set; "
+    "True; False)",
 }
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.

@@ -36,6 +36,16 @@ predicts too much but the budget is at least what the profile step measured, the
 own setting runs (it just ran within the budget). A budget the most compressed setting met is
 never refused.
 
+**Rectifier.** A planned step's peak is measured too (`StepMeter`); when it exceeds the
+budget, the prediction missed something (on CPU the resident set holds what no tensor count
+sees: Python objects of many layers' hooks and autograd nodes, the C allocator's retained
+chunks), and the plan is re-solved with that miss added to the prediction (``correction``,
+the largest miss seen for that input shape), then with the accuracy bound dropped, then the
+least plan, with a warning each time; training goes on either way. On by default where the
+meter follows live bytes: CUDA (``max_memory_allocated``) and CPU when the C allocator returns
+freed memory (``MALLOC_MMAP_THRESHOLD_`` set); elsewhere the resident set keeps what a step
+freed and would make every plan the least (``budget_rectify=True`` forces it).
+
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
 lesser of the profile step's measured peak and the least relaxed plan's prediction with the
 margin): already at the end of the profile step's forward (before backward, from a lower bound
@@ -46,6 +56,7 @@ gradients), else at its ``ctl.iterate()`` (the exact figure).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -116,12 +127,17 @@ class PlanState:
     relaxed: str = ""
     #: the bound the profile step's forward checked (at most ``profile_peak``)
     lower_bound: int = 0
+    #: bytes planned steps measured beyond the prediction (the rectifier's term; 0 until a
+    #: planned step exceeded the budget)
+    correction: int = 0
+    #: how often the rectifier re-planned
+    rectified: int = 0
 
     @property
     def predicted(self) -> int:
         if self.relaxed == "profile" and self.profile_peak is not None:
             return self.profile_peak  # measured, not predicted: this very setting ran
-        return self.rest + self.fixed + self.plan.memory + self.transient
+        return self.rest + self.fixed + self.plan.memory + self.transient + self.correction
 
 
 class BudgetPlanner:
@@ -131,12 +147,21 @@ class BudgetPlanner:
     phase, predicted and measured peak, bytes accounted), ``report()``.
     """
 
-    def __init__(self, ctl: Controller, budget: int, margin: float = DEFAULT_MARGIN) -> None:
+    def __init__(
+        self,
+        ctl: Controller,
+        budget: int,
+        margin: float = DEFAULT_MARGIN,
+        rectify: bool | str = "auto",
+    ) -> None:
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"budget_margin must be in [0, 1), got {margin}")
+        if rectify not in ("auto", True, False):
+            raise ValueError(f"budget_rectify must be 'auto', True or False, got {rectify!r}")
         self.ctl = ctl
         self.budget = int(budget)
         self.margin = float(margin)
+        self.rectify = rectify
         cfg = ctl.config
         self.group_size = cfg.group_size
         self.min_numel = cfg.min_numel
@@ -439,6 +464,12 @@ class BudgetPlanner:
             predicted = None
         else:
             predicted = self.plan_state.predicted
+        rectified = (
+            phase == "planned"
+            and measured is not None
+            and measured > self.budget
+            and self._rectifies()
+        )
         self.history.append(
             {
                 "step": ctl.step,
@@ -446,9 +477,55 @@ class BudgetPlanner:
                 "predicted": predicted,
                 "measured": measured,
                 "accounted": accounted,
+                "rectified": rectified,
             }
         )
         del self.history[:-256]
+        if rectified:
+            self._rectify(self.plan_state, measured)
+
+    def _rectifies(self) -> bool:
+        """Whether a measured peak is trusted enough to re-plan on (see the module docstring):
+        CUDA's allocator counts live bytes; on CPU the resident set does only when glibc
+        returns freed memory, which ``MALLOC_MMAP_THRESHOLD_`` (read at process start) makes
+        it do for every tensor above that size."""
+        if self.rectify != "auto":
+            return bool(self.rectify)
+        return self._device.type == "cuda" or "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+    def _rectify(self, state: PlanState, measured: int) -> None:
+        """A planned step measured ``measured`` bytes, above the budget: add the miss to the
+        prediction and re-solve (under the accuracy bound, else without it, else the least
+        plan); the plan takes effect at the next step."""
+        before = state.predicted
+        miss = measured - (before - state.correction)
+        state.correction = max(state.correction, miss)
+        state.rectified += 1
+        usable = self.budget * (1 - self.margin)
+        free = usable - state.rest - state.fixed - state.transient - state.correction
+        plan, how = None, "re-planned"
+        if free >= 0:
+            plan = solve_plan(state.units, free, state.variance_cap)
+            if plan is None and state.variance_cap is not None:
+                plan, how = solve_plan(state.units, free, None), "re-planned below the accuracy"
+                how += " bound"
+        if plan is None:
+            least, _ = smallest_memory(state.units, None)
+            plan, how = solve_plan(state.units, least, None), "took the least plan"
+        state.plan = plan
+        if state.relaxed == "profile":  # its figure was the profile step's; now a prediction
+            state.relaxed = "relaxed"
+        state.recompute = {n for n, o in plan.choice.items() if o.mode == "recompute"}
+        state.swap = {n for n, o in plan.choice.items() if o.mode == "swap"}
+        over = state.predicted > usable
+        warnings.warn(
+            f"gact_graph: memory_budget={format_bytes(self.budget)}: step {self.ctl.step} "
+            f"measured {format_bytes(measured)} against a predicted {format_bytes(before)}; "
+            f"{how} with the miss ({format_bytes(state.correction)}) added, now predicting "
+            f"{format_bytes(state.predicted)}"
+            + (": still above the budget less its margin" if over else ""),
+            stacklevel=2,
+        )
 
     def _pause_probes(self) -> None:
         """Stop the adaptive allocator's sensitivity probes once a plan is in force: the plan
@@ -660,7 +737,10 @@ class BudgetPlanner:
             + ("(measured) " if state.relaxed == "profile" else "= ")
             + f"rest {format_bytes(state.rest)} + fixed "
             f"{format_bytes(state.fixed)} + plan {format_bytes(plan.memory)} + backward "
-            f"{format_bytes(state.transient)}; added time {1e3 * plan.seconds:.2f} ms"
+            f"{format_bytes(state.transient)}"
+            + (f" + measured miss {format_bytes(state.correction)} (re-planned "
+               f"{state.rectified}x)" if state.rectified else "")
+            + f"; added time {1e3 * plan.seconds:.2f} ms"
             + ("" if state.variance_cap is None else f"; variance {plan.variance:.3g} "
                f"<= {state.variance_cap:.3g}")
         )  # fmt: skip
@@ -691,6 +771,7 @@ class BudgetPlanner:
             lines.append(
                 f"{h['step']:>6} {h['phase']:<8} {pred:>12} {meas:>12} "
                 f"{format_bytes(h['accounted']):>12}"
+                + ("  over budget: re-planned" if h.get("rectified") else "")
             )
         return "\n".join(lines)
 
@@ -702,6 +783,7 @@ def attach_budget(ctl: Controller) -> BudgetPlanner:
     if budget is None:
         raise ValueError("attach_budget needs config.memory_budget")
     margin = float(ctl.config.extra.get("budget_margin", DEFAULT_MARGIN))
-    planner = BudgetPlanner(ctl, budget, margin)
+    rectify = ctl.config.extra.get("budget_rectify", "auto")
+    planner = BudgetPlanner(ctl, budget, margin, rectify)
     ctl.budget = planner
     return planner

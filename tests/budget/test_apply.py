@@ -206,3 +206,94 @@ def test_config_validates_the_budget():
         CompressionConfig(memory_budget=0)
     with pytest.raises(TypeError, match="memory_budget"):
         CompressionConfig(memory_budget=[1])
+
+
+def _over_budget_once(monkeypatch, planner, measured: int) -> None:
+    """The next step's meter reads ``measured`` (the planner's CPU figure: above its base)."""
+    from gact_graph.budget.profile import StepMeter
+
+    real = StepMeter.peak
+    calls = []
+
+    def peak(meter):
+        calls.append(1)
+        return planner._base + measured if len(calls) == 1 else real(meter)
+
+    monkeypatch.setattr(StepMeter, "peak", peak)
+
+
+def test_a_planned_step_over_the_budget_re_plans_with_the_miss(least, monkeypatch):
+    """The rectifier: a planned step measured above the budget adds what the prediction
+    missed to it and re-solves, so the next steps hold less; a warning says so, the report
+    shows the miss, and training goes on."""
+    budget = int(least[0] * 2)
+    model = _model()
+    # no margin: a miss of 1 KiB over the budget is absorbed by a plan 1 KiB smaller
+    ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True, budget_margin=0.0)
+    graph = _graph(600)
+    opt = _train(model, ctl, graph, 2)  # profile, then one planned step within the budget
+    planner, state = ctl.budget, ctl.budget.plan_state
+    assert state.rectified == 0 and not planner.history[-1]["rectified"]
+    before, memory = state.predicted, state.plan.memory
+    choices = {n: o.label for n, o in state.plan.choice.items()}
+    _over_budget_once(monkeypatch, planner, budget + 1024)  # a miss a tighter plan absorbs
+    with pytest.warns(UserWarning, match="measured .* re-planned with the miss"):
+        _train(model, ctl, graph, 1, opt)
+    assert planner.plan_state is state and state.rectified == 1
+    assert state.correction == budget + 1024 - before
+    assert state.plan.memory < memory  # a tighter plan ...
+    assert state.predicted <= budget * (1 - planner.margin)  # ... that fits with the miss
+    assert planner.history[-1]["rectified"]
+    assert "measured miss" in ctl.report() and "over budget: re-planned" in ctl.report()
+    assert {n: o.label for n, o in state.plan.choice.items()} != choices
+    _train(model, ctl, graph, 1, opt)  # the next step runs the new plan, within it
+    assert planner.history[-1]["accounted"] <= state.predicted
+    ctl.remove()
+
+
+def test_a_miss_no_plan_absorbs_takes_the_least_plan_and_trains_on(least, monkeypatch):
+    budget = int(least[0] * 2)
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True)
+    graph = _graph(600)
+    opt = _train(model, ctl, graph, 1)
+    planner = ctl.budget
+    _over_budget_once(monkeypatch, planner, 10 * budget)
+    with pytest.warns(UserWarning, match="took the least plan .* still above the budget"):
+        _train(model, ctl, graph, 1, opt)
+    state = planner.plan_state
+    labels = {o.label for o in state.plan.choice.values()}
+    assert all(o.mode != "keep" for o in state.plan.choice.values()), labels
+    _train(model, ctl, graph, 1, opt)  # no error: it trains on at the least plan
+    ctl.remove()
+
+
+@pytest.mark.parametrize("rectify, env, expected", [
+    (False, "65536", False), ("auto", None, False), ("auto", "65536", True), (True, None, True),
+])  # fmt: skip
+def test_the_rectifier_trusts_a_cpu_meter_only_when_it_follows_live_bytes(
+    least, monkeypatch, rectify, env, expected
+):
+    """On CPU the resident set keeps what a step freed unless glibc returns it
+    (``MALLOC_MMAP_THRESHOLD_``): 'auto' re-plans only then; True and False force it."""
+    if env is None:
+        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", env)
+    budget = int(least[0] * 4)
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=budget, budget_rectify=rectify)
+    graph = _graph(600)
+    opt = _train(model, ctl, graph, 1)
+    _over_budget_once(monkeypatch, ctl.budget, budget + 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(model, ctl, graph, 1, opt)
+    assert ctl.budget.history[-1]["rectified"] is expected
+    assert (ctl.budget.plan_state.rectified == 1) is expected
+    ctl.remove()
+
+
+def test_budget_rectify_is_validated():
+    with pytest.raises(ValueError, match="budget_rectify"):
+        compress_gnn(_model(), memory_budget="1GiB", budget_rectify="yes")
