@@ -7,15 +7,18 @@ import torch.nn.functional as F
 from gact_graph.core import chunked
 from gact_graph.core.chunked import RowChunked, chunked_tmm, row_ranges
 from gact_graph.core.quantize import QTensor, quantize
+from tests.devices import DEVICES
 
 # groups of whole rows (cols < 256), rows split into groups (cols > 256), a ragged last group
 SHAPES = [(1000, 64), (37, 5), (300, 700), (9, 256)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_rows_dequantize_to_the_same_rows(shape, bits):
-    q = quantize(torch.randn(shape), bits, seed=3)
+def test_rows_dequantize_to_the_same_rows(shape, bits, device):
+    """On CUDA the rows' codes are a view at an offset, read by the Triton kernel."""
+    q = quantize(torch.randn(shape, device=device), bits, seed=3)
     full = q.dequantize()
     step = q.row_step()
     starts = [0, step, (shape[0] // 2) // step * step]
@@ -66,17 +69,18 @@ class _Dequantized:
         monkeypatch.setattr(QTensor, "dequantize", spy)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["mm", "linear", "addmm"])
-def test_matmul_backward_reads_it_in_chunks_with_the_dense_gradients(op, monkeypatch):
+def test_matmul_backward_reads_it_in_chunks_with_the_dense_gradients(op, device, monkeypatch):
     """``mm`` (row-major ``mat2``: ``mat1.t().mm(G)``), ``linear`` and ``addmm`` (column-major
     ``mat2``: ``G.t().mm(mat1).t()``): the weight gradient equals the one from the dense
     dequantized input, and no dequantization is larger than a chunk."""
     torch.manual_seed(0)
-    q = quantize(torch.randn(2000, 64), 2, seed=2)
+    q = quantize(torch.randn(2000, 64, device=device), 2, seed=2)
     x = q.dequantize()
-    w = torch.randn(64, 9, requires_grad=True)
-    lin = torch.randn(9, 64, requires_grad=True)
-    bias = torch.zeros(9, requires_grad=True)
+    w = torch.randn(64, 9, device=device, requires_grad=True)
+    lin = torch.randn(9, 64, device=device, requires_grad=True)
+    bias = torch.zeros(9, device=device, requires_grad=True)
 
     def run(x):
         if op == "mm":
@@ -89,10 +93,11 @@ def test_matmul_backward_reads_it_in_chunks_with_the_dense_gradients(op, monkeyp
         return RowChunked(q) if t is x else t
 
     monkeypatch.setattr(chunked, "CHUNK_ELEMS", 64 * 256)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMS_CUDA", 64 * 256)
     spy = _Dequantized(monkeypatch)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         y, weight = run(x)
-    g = torch.randn(y.shape)
+    g = torch.randn(y.shape, device=device)
     (got,) = torch.autograd.grad(y, [weight], g)
     assert spy.shapes and max(r for r, _ in spy.shapes) <= 256, spy.shapes[:3]
     y_ref, weight = run(x)

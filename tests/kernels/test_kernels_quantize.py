@@ -118,6 +118,21 @@ def test_group_sizes(group_size):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(40, 16), (9, 300)])  # groups of rows / rows split in groups
+def test_row_slices_dequantize_from_an_offset_view(shape):
+    """`QTensor.rows` hands the kernel codes and metadata that start inside the tensor's own
+    (the sensitivity probe's row-chunked matmul backward, `gact_graph.core.chunked`)."""
+    torch.manual_seed(4)
+    q = quantize(torch.randn(shape, device=DEVICE), 2, seed=5)
+    assert _use_triton(q.packed)
+    full = q.dequantize()
+    step = q.row_step()
+    part = q.rows(step, shape[0])
+    assert part.packed.storage_offset() > 0
+    assert same_values(part.dequantize().cpu(), full[step:].cpu())
+
+
+@needs_kernels
 def test_public_api_dispatches_to_triton():
     x = torch.randn(20, 300, device=DEVICE)
     assert _use_triton(x)
