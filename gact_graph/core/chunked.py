@@ -24,18 +24,19 @@ from gact_graph.core.quantize import QTensor
 
 aten = torch.ops.aten
 
-#: elements of ``mat1`` dequantized at once: 1 MiB of fp32 on CPU; 16 MiB on a GPU, where a
-#: launch per chunk costs more and the tensors are larger (an ogbn-arxiv-sized 256-wide
-#: layer's input is 173 MB)
-CHUNK_ELEMS = 1 << 18
-CHUNK_ELEMS_CUDA = 1 << 22
+#: a matrix is read in at most this many chunks (the loop's cost stays bounded, the transient
+#: is an eighth of a dense copy) ...
+MAX_CHUNKS = 8
+#: ... of at least this many elements (a 64-wide matrix of 1,000 rows is one chunk)
+MIN_CHUNK_ELEMS = 1 << 16
 
 
 def row_ranges(q: QTensor, chunk_elems: int | None = None):
-    """``(r0, r1)`` row ranges of ``q``'s 2-D view of about ``chunk_elems`` elements (default
-    `CHUNK_ELEMS`, `CHUNK_ELEMS_CUDA` on a GPU), each starting on a group (`QTensor.rows`)."""
+    """``(r0, r1)`` row ranges of ``q``'s 2-D view of about ``chunk_elems`` elements (default:
+    an eighth of the matrix, `MAX_CHUNKS`, at least `MIN_CHUNK_ELEMS`), each starting on a
+    group (`QTensor.rows`)."""
     if chunk_elems is None:
-        chunk_elems = CHUNK_ELEMS_CUDA if q.device.type == "cuda" else CHUNK_ELEMS
+        chunk_elems = max(MIN_CHUNK_ELEMS, -(-q.numel() // MAX_CHUNKS))
     step = q.row_step()
     rows, cols = q.layout.rows, max(q.layout.cols, 1)
     per = max(step, chunk_elems // cols // step * step)

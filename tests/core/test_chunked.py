@@ -92,14 +92,13 @@ def test_matmul_backward_reads_it_in_chunks_with_the_dense_gradients(op, device,
     def unpack(t):
         return RowChunked(q) if t is x else t
 
-    monkeypatch.setattr(chunked, "CHUNK_ELEMS", 64 * 256)
-    monkeypatch.setattr(chunked, "CHUNK_ELEMS_CUDA", 64 * 256)
+    monkeypatch.setattr(chunked, "MIN_CHUNK_ELEMS", 64 * 256)  # 2000 rows: 8 chunks of 256
     spy = _Dequantized(monkeypatch)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         y, weight = run(x)
     g = torch.randn(y.shape, device=device)
     (got,) = torch.autograd.grad(y, [weight], g)
-    assert spy.shapes and max(r for r, _ in spy.shapes) <= 256, spy.shapes[:3]
+    assert len(spy.shapes) == 8 and max(r for r, _ in spy.shapes) <= 256, spy.shapes
     y_ref, weight = run(x)
     (ref,) = torch.autograd.grad(y_ref, [weight], g)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
