@@ -44,7 +44,10 @@ the largest miss seen for that input shape), then with the accuracy bound droppe
 least plan, with a warning each time; training goes on either way. On by default where the
 meter follows live bytes: CUDA (``max_memory_allocated``) and CPU when the C allocator returns
 freed memory (``MALLOC_MMAP_THRESHOLD_`` set); elsewhere the resident set keeps what a step
-freed and would make every plan the least (``budget_rectify=True`` forces it).
+freed and would make every plan the least (``budget_rectify=True`` forces it). With that meter
+the profile step's own measurement seeds the correction: what it held beyond its counted
+tensors is in the first plan's prediction, and the profile step's setting is admitted only
+by what it really held.
 
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
 lesser of the profile step's measured peak and the least relaxed plan's prediction with the
@@ -457,7 +460,15 @@ class BudgetPlanner:
                 # what a later step at this setting holds: it starts with the optimizer
                 # state this step created after its peak
                 profile_peak = self._rest() + growth + self._carried
-            state = self._plan_from_profile(growth, outside, profile_peak)
+            correction = 0
+            if measured is not None and profile_peak is not None and self._rectifies():
+                # a trusted meter (the rectifier's) saw more than the tensors: what a CPU
+                # resident set holds besides them (Python objects, the allocator) is there
+                # in every step, so the first plan already counts it, and the profile
+                # step's own setting is admitted only by what it really held
+                correction = max(0, measured - profile_peak)
+                profile_peak = max(profile_peak, measured)
+            state = self._plan_from_profile(growth, outside, profile_peak, correction)
             self._pause_probes()
             self.plans[self._signature] = state
             self.plan_state = state
@@ -539,7 +550,11 @@ class BudgetPlanner:
 
     # ---------------------------------------------------------------- planning
     def _plan_from_profile(
-        self, growth: int | None, outside: int | None, profile_peak: int | None
+        self,
+        growth: int | None,
+        outside: int | None,
+        profile_peak: int | None,
+        correction: int = 0,
     ) -> PlanState:
         """The plan for the profile step just finished; ``growth`` is the most memory the
         step held beyond what existed before it, ``outside`` the same outside the segments'
@@ -571,18 +586,18 @@ class BudgetPlanner:
         units, fixed = self._units(tensors, relaxed=False)
         cap_var = self._variance_cap(tensors)
         usable = self.budget * (1 - self.margin)
-        free = usable - rest - fixed - transient
+        free = usable - rest - fixed - transient - correction
         plan = solve_plan(units, free, cap_var) if free >= 0 else None
         relaxed = ""
         loose = self._units(tensors, relaxed=True)[0]
         least_loose, _ = smallest_memory(loose, None)
-        need_loose = (rest + fixed + transient + least_loose) / (1 - self.margin)
+        need_loose = (rest + fixed + transient + correction + least_loose) / (1 - self.margin)
         least_budget = math.ceil(need_loose)
         if profile_peak is not None:
             least_budget = min(least_budget, profile_peak)
         if plan is None:
             least_bound, _ = smallest_memory(units, cap_var)
-            need_bound = (rest + fixed + transient + least_bound) / (1 - self.margin)
+            need_bound = (rest + fixed + transient + correction + least_bound) / (1 - self.margin)
             if free >= 0:
                 plan = solve_plan(loose, free, None)
             if plan is not None:
@@ -599,8 +614,13 @@ class BudgetPlanner:
                     f"plan predicts {format_bytes(need_loose)} with margin {self.margin:.0%}: "
                     f"rest {format_bytes(rest)}, fixed saved bytes {format_bytes(fixed)}, "
                     f"least plan {format_bytes(least_loose)}, backward transient "
-                    f"{format_bytes(transient)}; {format_bytes(need_bound)} keeps the accuracy "
-                    f"bound)"
+                    f"{format_bytes(transient)}"
+                    + (
+                        f", measured beyond the tensors {format_bytes(correction)}"
+                        if correction
+                        else ""
+                    )
+                    + f"; {format_bytes(need_bound)} keeps the accuracy bound)"
                 )
             if relaxed == "profile":
                 how = (
@@ -623,6 +643,7 @@ class BudgetPlanner:
         return PlanState(
             self._signature, plan, units, rest, fixed, transient, cap_var, self.ctl.step,
             recompute, swap, profile_peak, least_budget, relaxed, self._lower_bound,
+            correction,
         )  # fmt: skip
 
     @staticmethod
@@ -739,7 +760,7 @@ class BudgetPlanner:
             f"{format_bytes(state.fixed)} + plan {format_bytes(plan.memory)} + backward "
             f"{format_bytes(state.transient)}"
             + (f" + measured miss {format_bytes(state.correction)} (re-planned "
-               f"{state.rectified}x)" if state.rectified else "")
+               f"{state.rectified}x)" if state.correction else "")
             + f"; added time {1e3 * plan.seconds:.2f} ms"
             + ("" if state.variance_cap is None else f"; variance {plan.variance:.3g} "
                f"<= {state.variance_cap:.3g}")

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph import compress_gnn
 from gact_graph.budget import DEFAULT_MARGIN, BudgetError
-from gact_graph.budget.profile import LiveBytes
+from gact_graph.budget.profile import LiveBytes, StepMeter
 from gact_graph.config import CompressionConfig, format_bytes, parse_bytes
 from gact_graph.models import build_model
 
@@ -210,8 +210,6 @@ def test_config_validates_the_budget():
 
 def _over_budget_once(monkeypatch, planner, measured: int) -> None:
     """The next step's meter reads ``measured`` (the planner's CPU figure: above its base)."""
-    from gact_graph.budget.profile import StepMeter
-
     real = StepMeter.peak
     calls = []
 
@@ -231,9 +229,11 @@ def test_a_planned_step_over_the_budget_re_plans_with_the_miss(least, monkeypatc
     # no margin: a miss of 1 KiB over the budget is absorbed by a plan 1 KiB smaller
     ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True, budget_margin=0.0)
     graph = _graph(600)
-    opt = _train(model, ctl, graph, 2)  # profile, then one planned step within the budget
+    with monkeypatch.context() as mp:  # the profile step unmeasured: no correction from it
+        mp.setattr(StepMeter, "peak", lambda meter: None)
+        opt = _train(model, ctl, graph, 2)  # profile, then one planned step
     planner, state = ctl.budget, ctl.budget.plan_state
-    assert state.rectified == 0 and not planner.history[-1]["rectified"]
+    assert state.rectified == 0 and state.correction == 0
     before, memory = state.predicted, state.plan.memory
     choices = {n: o.label for n, o in state.plan.choice.items()}
     _over_budget_once(monkeypatch, planner, budget + 1024)  # a miss a tighter plan absorbs
@@ -297,3 +297,42 @@ def test_the_rectifier_trusts_a_cpu_meter_only_when_it_follows_live_bytes(
 def test_budget_rectify_is_validated():
     with pytest.raises(ValueError, match="budget_rectify"):
         compress_gnn(_model(), memory_budget="1GiB", budget_rectify="yes")
+
+
+def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(least, monkeypatch):
+    """With the rectifier's meter trusted, the profile step's measured peak above its tensor
+    count (CPU: Python objects, the allocator) is in the first plan's prediction already, and
+    a budget below what that step really held is refused, naming the measured figure."""
+    extra = 3 * 2**20
+    budget = int(least[0] * 4)
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True)
+    planner = ctl.budget
+
+    ended = []
+    end_live = type(planner)._end_live
+
+    def keep_live(self):
+        ended.append(end_live(self))
+        return ended[-1]
+
+    def peak(meter):  # the profile step's tensors as counted, plus 3 MiB nothing counts
+        live = ended[-1] if ended else None
+        return None if live is None else planner._base + planner._rest() + live.peak + extra
+
+    monkeypatch.setattr(type(planner), "_end_live", keep_live)
+    monkeypatch.setattr(StepMeter, "peak", peak)
+    _train(model, ctl, _graph(600), 1)
+    state = planner.plan_state
+    # measured vs profile: the optimizer state the step created after its peak is carried
+    assert extra - 2**20 <= state.correction <= extra
+    assert state.predicted <= budget * (1 - planner.margin)
+    assert "measured miss" in ctl.report()
+    ctl.remove()
+
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0]), budget_rectify=True)
+    planner, ended[:] = ctl.budget, []
+    with pytest.raises(BudgetError, match="measured beyond the tensors"):
+        _train(model, ctl, _graph(600), 1)
+    ctl.remove()
