@@ -518,8 +518,8 @@ class BudgetPlanner:
         if free >= 0:
             plan = solve_plan(state.units, free, state.variance_cap)
             if plan is None and state.variance_cap is not None:
-                plan, how = solve_plan(state.units, free, None), "re-planned below the accuracy"
-                how += " bound"
+                plan = solve_plan(state.units, free, None)
+                how = "re-planned below the accuracy bound"
         if plan is None:
             least, _ = smallest_memory(state.units, None)
             plan, how = solve_plan(state.units, least, None), "took the least plan"

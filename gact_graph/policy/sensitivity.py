@@ -66,7 +66,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from gact_graph.core.chunked import RowChunked
+from gact_graph.core.chunked import RowChunked, row_ranges
 from gact_graph.core.quantize import QTensor, quantize
 from gact_graph.core.saved import tensors_in
 from gact_graph.lean import lean_backward
@@ -320,16 +320,6 @@ def rounding_variance_factor(
 _CHUNK = 1 << 18
 
 
-def _row_chunks(q: QTensor):
-    """``(r0, r1)`` row ranges of ``q``'s 2-D layout of about `_CHUNK` elements, aligned to its
-    groups (a group never straddles two chunks)."""
-    lay = q.layout
-    rpg = lay.rows_per_group
-    chunk = max(rpg, _CHUNK // max(lay.cols, 1) // rpg * rpg)
-    for r0 in range(0, lay.rows, chunk):
-        yield r0, min(lay.rows, r0 + chunk)
-
-
 def _add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) -> Tensor:
     """Add to ``x`` (contiguous, shaped like ``q``'s tensor) in place a Rademacher vector scaled
     per element to ``kappa`` times the average stochastic-rounding variance of its group,
@@ -346,7 +336,7 @@ def _add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) -
     x2 = x.view(lay.rows, lay.cols)
     gen = torch.Generator(device=x.device)
     gen.manual_seed(seed)
-    for r0, r1 in _row_chunks(q):
+    for r0, r1 in row_ranges(q, _CHUNK):
         xc = x2[r0:r1]
         sign = torch.randint(0, 2, xc.shape, generator=gen, device=x.device, dtype=torch.int8)
         if rpg > 1:  # a group holds rpg whole rows
@@ -365,7 +355,7 @@ def nonzero_counts(x: Tensor, q: QTensor) -> Tensor:
     non-zeros of each row (groups of whole rows) or of each row's part of each group (rows
     split into groups), in the narrowest integer type that holds them. A row vector of fp32
     variances per tensor was a tenth of a 64-layer GCNII's compressed activations at 2 bits;
-    this is a quarter of that or less. Computed in row chunks (`_row_chunks`)."""
+    this is a quarter of that or less. Computed in row chunks (`row_ranges`)."""
     lay = q.layout
     rows, cols = x.shape
     rpg, gpr, g = lay.rows_per_group, lay.groups_per_row, lay.group_size
@@ -373,7 +363,7 @@ def nonzero_counts(x: Tensor, q: QTensor) -> Tensor:
     dtype = torch.uint8 if most <= 255 else torch.int16 if most <= 32767 else torch.int32
     shape = (rows,) if rpg > 1 else (rows, gpr)
     out = torch.zeros(shape, dtype=dtype, device=x.device)
-    for r0, r1 in _row_chunks(q):
+    for r0, r1 in row_ranges(q, _CHUNK):
         nz = x[r0:r1] != 0
         if rpg > 1:  # a group holds rpg whole rows
             out[r0:r1] = nz.sum(1, dtype=torch.int32).to(dtype)
