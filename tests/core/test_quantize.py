@@ -463,3 +463,22 @@ def test_non_contiguous_input_quantizes_like_its_contiguous_copy(shape):
         a = quantize(x, bits, group_size=256, seed=3).dequantize()
         b = quantize(x.contiguous(), bits, group_size=256, seed=3).dequantize()
         assert torch.equal(a, b)
+
+
+def test_reference_temporaries_are_bounded_by_its_block():
+    """The reference's working memory is its block's (about 13 bytes per element: values,
+    hash words and their scratch, codes), not the tensor's: on CPU it lands on the forward's
+    widest moment. Counted as live tensor bytes beyond the outputs; a whole-tensor
+    temporary (4 bytes x 2**21 elements here) would exceed the bound."""
+    from gact_graph.budget.profile import LiveBytes
+
+    x = torch.randn(1 << 15, 64)  # 2**21 elements, 8 MiB
+    kq.quantize_reference(x[:8], 1, 256, 0)  # the per-device arange cache exists before
+    chunk = 1 << 16
+    with LiveBytes(exclude=[x]) as live:  # x's storage comes back through views
+        packed, meta = kq.quantize_reference(x, 1, 256, 3, chunk_elems=chunk)
+    outputs = packed.untyped_storage().nbytes() + meta.untyped_storage().nbytes()
+    assert live.peak - outputs <= 16 * chunk + 4 * chunk  # block temporaries + arange growth
+    ref = kq.quantize_reference(x, 1, 256, 3, chunk_elems=1 << 22)  # one block: same codes
+    assert torch.equal(packed, ref[0])
+    assert torch.equal(meta.view(torch.int16), ref[1].view(torch.int16))
