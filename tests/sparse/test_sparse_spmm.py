@@ -161,6 +161,24 @@ def test_backward_never_materializes_edges_times_features(learnable):
     assert bwd.largest < adj.num_edges * f // 20
 
 
+def test_cpu_product_makes_one_output_sized_tensor():
+    """On CPU the CSR product writes into one fresh buffer (``torch.sparse.mm`` there is
+    zeros + addmm, two at once: what a probe or recomputation stacking on backward adds up)."""
+    from gact_graph.budget.profile import LiveBytes
+
+    n, f = 3000, 64
+    ei = torch.randint(0, n, (2, 8 * n), generator=torch.Generator().manual_seed(0))
+    adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    x = torch.randn(n, f)
+    with torch.no_grad():
+        spmm(adj, x)  # the adjacency's lazy CSR views exist before
+        with LiveBytes(exclude=[x]) as live:
+            out = spmm(adj, x)
+    assert n * f * 4 <= live.peak < 1.5 * n * f * 4, live.peak
+    ref = spmm_reference(adj.rowptr, adj.col, adj.weight, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_peak_rss_stays_far_below_edges_times_features():
     """End to end: forward+backward of the fused SpMM raises the process's peak RSS by far
