@@ -24,7 +24,8 @@ ALLOWED = {
     "ops": {"core", "config"},  # core: type annotations only (TYPE_CHECKING)
     "policy": {"core", "kernels", "config", "lean"},
     "api": {"config", "core", "policy", "ops", "sparse", "budget"},
-    "budget": {"core", "kernels", "config", "policy"},  # the memory-budget planner
+    # the memory-budget planner; lean: its profile step sets the probe's work aside
+    "budget": {"core", "kernels", "config", "policy", "lean"},
     "memory": {"config", "core"},
     "integrations": {"api", "config", "core", "sparse"},
     "models": set(),

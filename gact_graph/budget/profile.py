@@ -7,6 +7,7 @@ import contextlib
 import gc
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +136,24 @@ class LiveBytes(TorchDispatchMode):
 
     A *window* (`open_window` ... `close_window`, e.g. one segment's recomputation) is measured
     apart: ``outside_peak`` is the peak over the ops outside every window, `close_window`
-    returns how far the window rose above the bytes live when it opened.
+    returns how far the window rose above the bytes live when it opened. Ops for which
+    ``aside()`` is true (the sensitivity probe's own work, which only the profile step runs)
+    count towards ``peak`` and an open window, never towards ``outside_peak``. Storages of
+    ``exclude`` (what exists before the step and is counted apart: parameters, inputs) are
+    never counted, even when an op returns a view of them.
     `created_after_peak` is what is alive now but did not exist at that outside peak (the
     optimizer state a first step creates after backward: it is there for every later step).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, aside: Callable[[], bool] | None = None, exclude: Iterable[torch.Tensor] = ()
+    ) -> None:
         super().__init__()
+        self._aside = aside
+        self._exclude = set()
+        for t in exclude:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                self._exclude.add(StorageWeakRef(t.untyped_storage()).cdata)
         #: storage address -> (weak ref, bytes, serial: order of creation)
         self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self._serial = 0
@@ -182,12 +194,14 @@ class LiveBytes(TorchDispatchMode):
                 except (RuntimeError, NotImplementedError):
                     continue
                 ref = StorageWeakRef(storage)
-                if ref.cdata not in self._live:
+                if ref.cdata not in self._live and ref.cdata not in self._exclude:
                     self._serial += 1
                     self._live[ref.cdata] = (ref, storage.nbytes(), self._serial)
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         if self._window is None:
+            if self._aside is not None and self._aside():
+                return out
             if self.bytes > self.outside_peak:
                 self.outside_peak = self.bytes
                 self._peak_serial = self._serial

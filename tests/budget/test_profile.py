@@ -54,3 +54,32 @@ def test_created_after_peak_is_what_a_later_step_starts_with():
         torch.zeros(1)  # an op after the del: the sweep sees it freed
     assert live.outside_peak == 16000
     assert live.created_after_peak() == 2000 and state.numel() == 500
+
+
+def test_ops_set_aside_never_reach_the_outside_peak():
+    """The probe's partial backwards (``aside``) and a recomputation window inside them: both
+    count towards ``peak``, neither towards ``outside_peak``."""
+    state = {"aside": False}
+    with LiveBytes(aside=lambda: state["aside"]) as live:
+        a = torch.ones(1000)  # 4000 outside
+        state["aside"] = True
+        b = torch.ones(2000)  # +8000 aside
+        live.open_window()
+        c = torch.ones(500)  # +2000 in a window opened aside
+        rise = live.close_window()
+        del b, c
+        state["aside"] = False
+        d = torch.ones(250)  # 4000 + 1000 outside
+    assert rise == 2000
+    assert live.peak == 14000
+    assert live.outside_peak == 5000
+    assert a.numel() + d.numel() == 1250
+
+
+def test_excluded_storages_are_never_counted_even_through_views():
+    x = torch.ones(1000)  # an input: exists before and is counted apart
+    with LiveBytes(exclude=[x]) as live:
+        v = x.view(10, 100)  # a view returns x's storage
+        y = v * 2  # 4000 new
+    assert live.peak == 4000
+    assert y.shape == v.shape
