@@ -73,13 +73,19 @@ class GCN(nn.Module):
     def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None = None) -> Tensor:
         x = F.dropout(x, p=self.input_dropout, training=self.training)
         for i, conv in enumerate(self.convs[:-1]):
+            # Each activation is released as soon as nothing reads it again (what backward
+            # needs, autograd saved): a name still bound to it kept one more N x C tensor
+            # alive through the next layer, the step's peak once activations are compressed.
+            skip = x if self.residual else None
             h = conv(x, edge_index, edge_weight)
+            del x
             if self.bns:
                 h = self.bns[i](h)
             h = F.relu(h)
-            if self.residual and h.shape == x.shape:
-                h = h + x
+            if skip is not None and h.shape == skip.shape:
+                h = h + skip
             x = F.dropout(h, p=self.dropout, training=self.training)
+            del h, skip
         return self.convs[-1](x, edge_index, edge_weight)
 
     def extra_repr(self) -> str:

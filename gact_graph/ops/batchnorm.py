@@ -62,7 +62,11 @@ class BatchNormFunction(torch.autograd.Function):
         # in float32 at least: x - mean cancels most of x's digits when a channel's mean is
         # large next to its spread
         acc = torch.promote_types(x.dtype, torch.float32)
-        xhat = (x.to(acc) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        # one input-sized tensor, scaled in place: the subtraction's result and the product
+        # at once were the forward's widest moment of a GCN layer (input, convolution output,
+        # BatchNorm output, normalized input and that temporary)
+        xhat = torch.sub(x, _channel_view(mean.to(acc), x.dim())).to(acc)
+        xhat.mul_(_channel_view(invstd.to(acc), x.dim()))
         xhat = xhat.to(x.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(xhat, invstd, weight)

@@ -204,10 +204,14 @@ def patch_gcn_conv(ctl, path: str, module: GCNConv) -> None:
         n = x.size(0)
         improved = module.improved
         adj, w = _gcn_adjacency(ctl, module, edge_index, edge_weight, n, x.dtype, improved)
-        x = module.lin(x)
-        out = spmm(adj, x, w)
-        if module.bias is not None:
-            out = out + module.bias
+        out = spmm(adj, module.lin(x), w)  # the projection is freed once aggregated
+        bias = module.bias
+        if bias is not None:
+            # in place where the dtype stays what stock's out-of-place sum gives (under
+            # autocast an fp16 product plus an fp32 bias is fp32): the product is a fresh
+            # tensor nothing saved, so no second N x C tensor
+            same = torch.promote_types(out.dtype, bias.dtype) == out.dtype
+            out = out.add_(bias) if same else out + bias
         return out
 
     _patch(ctl, path, module, fused, reason_of)
@@ -233,11 +237,12 @@ def patch_gcn2_conv(ctl, path: str, module: GCN2Conv) -> None:
         adj, w = _gcn_adjacency(ctl, module, edge_index, edge_weight, n, x.dtype, False)
         x = spmm(adj, x, w)
         x.mul_(1 - module.alpha)
-        x_0 = module.alpha * x_0[: x.size(0)]
         if module.weight2 is None:
-            out = x.add_(x_0)
+            # alpha * x_0 summed in place: no N x C temporary for the scaled residual
+            out = x.add_(x_0[: x.size(0)], alpha=module.alpha)
             out = torch.addmm(out, out, module.weight1, beta=1.0 - module.beta, alpha=module.beta)
         else:
+            x_0 = module.alpha * x_0[: x.size(0)]
             out = torch.addmm(x, x, module.weight1, beta=1.0 - module.beta, alpha=module.beta)
             out = out + torch.addmm(
                 x_0, x_0, module.weight2, beta=1.0 - module.beta, alpha=module.beta

@@ -194,3 +194,26 @@ def test_constructor_validation():
             cls(4, 8, 2, num_layers=0)
     with pytest.raises(ValueError):
         GAT(4, 8, 2, activation="tanh")
+
+
+def test_compressed_gcn_forward_holds_at_most_four_activations():
+    """Once what backward needs is compressed, the forward's in-flight fp32 activations are a
+    step's peak: a GCN layer's widest moment (its BatchNorm: convolution output, BatchNorm
+    output, normalized input) plus the quantizer's block. Names that kept the layer input,
+    the previous ReLU output, the projection and the un-biased product alive made it 5.4
+    activations, counted as live tensor bytes beyond inputs and parameters."""
+    from gact_graph import compress_gnn
+    from gact_graph.budget.profile import LiveBytes
+
+    n, f = 20_000, 64
+    g = torch.Generator().manual_seed(0)
+    x, ei = torch.randn(n, f, generator=g), torch.randint(0, n, (2, 4 * n), generator=g)
+    torch.manual_seed(0)
+    model = build_model("gcn", f, 8, num_layers=3, hidden_channels=64)
+    ctl = compress_gnn(model, bits=2, adaptive=False)
+    model(x, ei).sum().backward()  # the shared adjacency and the RNG cache exist before
+    static = [x, ei, *model.parameters(), *model.buffers()]
+    with LiveBytes(exclude=static) as live:
+        model(x, ei)
+    ctl.remove()
+    assert live.peak <= 4.5 * n * 64 * 4, live.peak / (n * 64 * 4)
