@@ -15,6 +15,7 @@ two.
 - planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference).
 
     python benchmarks/budget.py [--models gcn gat gcnii gcnii64] [--json docs/results/budget.json]
+    python benchmarks/budget.py --floors   # what any full-batch step holds, per model
 
 Prints a table and writes JSON. CPU only: the ogbn-products GAT row under 16 GiB waits for a GPU.
 """
@@ -135,6 +136,28 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
     return out
 
 
+def floor_bytes(model_key: str) -> dict[str, int]:
+    """What any full-batch training step of ``model_key`` holds whatever is compressed: its
+    inputs, the adjacency (CSR with self-loops: int64 row pointers, int32 columns, fp32
+    weights), the parameters with their gradients and two Adam states, and one layer's input
+    and output in fp32 at the moment it computes (GCNII also its initial residual ``x0``)."""
+    from benchmarks.harness import build_model
+
+    name, layers, n = MODELS[model_key]
+    x, ei, y = _graph(n)
+    model = build_model(name, 16, 8, num_layers=layers, hidden_channels=64)
+    width = 64 * (3 if name == "gat" else 1)  # GAT: 3 heads of 64
+    act = n * width * 4
+    out = {
+        "inputs": sum(t.numel() * t.element_size() for t in (x, ei, y)),
+        "adjacency": (n + 1) * 8 + (ei.size(1) + n) * 8,
+        "parameters x 4": 4 * sum(p.numel() * p.element_size() for p in model.parameters()),
+        "one layer in + out": 2 * act + (act if name == "gcnii" else 0),
+    }
+    out["floor"] = sum(out.values())
+    return out
+
+
 def _child(args) -> None:
     import torch
 
@@ -170,12 +193,19 @@ def main() -> None:
         default="{}",
         help="JSON of compress_gnn arguments added to the planner's runs (default: none)",
     )
+    ap.add_argument("--floors", action="store_true", help="print each model's floor and exit")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--setting", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args)
+        return
+    if args.floors:
+        for model in args.models:
+            parts = floor_bytes(model)
+            text = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
+            print(f"{model:<8} {text} MiB")
         return
     results = []
     print(
