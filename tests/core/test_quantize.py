@@ -465,15 +465,19 @@ def test_non_contiguous_input_quantizes_like_its_contiguous_copy(shape):
         assert torch.equal(a, b)
 
 
-def test_reference_temporaries_are_bounded_by_its_block():
+def test_reference_temporaries_are_bounded_by_its_block(monkeypatch):
     """The reference's working memory is its block's (about 13 bytes per element: values,
     hash words and their scratch, codes), not the tensor's: on CPU it lands on the forward's
     widest moment. Counted as live tensor bytes beyond the outputs; a whole-tensor
     temporary (4 bytes x 2**21 elements here) would exceed the bound."""
     from gact_graph.budget.profile import LiveBytes
+    from gact_graph.kernels import rng
 
     x = torch.randn(1 << 15, 64)  # 2**21 elements, 8 MiB
-    kq.quantize_reference(x[:8], 1, 256, 0)  # the per-device arange cache exists before
+    # the per-device arange cache, as small as it gets (2**16): its slices are views of it,
+    # so all of it is counted, whatever size earlier tests left it at
+    monkeypatch.setattr(rng, "_ARANGE", {})
+    kq.quantize_reference(x[:8], 1, 256, 0)
     chunk = 1 << 16
     with LiveBytes(exclude=[x]) as live:  # x's storage comes back through views
         packed, meta = kq.quantize_reference(x, 1, 256, 3, chunk_elems=chunk)
