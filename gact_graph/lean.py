@@ -5,6 +5,10 @@ one of them holds adds to the step's peak (issue 13); the user's backward, outsi
 keeps its faster one-pass kernels. A kernel that has a leaner variant (e.g. the fused graph
 attention releasing its dequantized features before allocating their gradient) checks
 `is_lean` in its backward.
+
+`scratch` names tensors the probe owns and reads no more once the backward it runs returns (its
+noisy copy of a dequantized activation): a lean backward may write its result into them rather
+than into a tensor of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ _STATE = threading.local()
 def is_lean() -> bool:
     """Whether the current thread runs inside `lean_backward`."""
     return getattr(_STATE, "depth", 0) > 0
+
+
+def is_scratch(t) -> bool:
+    """Whether ``t`` may be overwritten by a lean backward (see `scratch`)."""
+    return is_lean() and id(t) in getattr(_STATE, "scratch", ())
+
+
+@contextlib.contextmanager
+def scratch(*tensors):
+    """Inside (and inside `lean_backward`), a backward may write into ``tensors``."""
+    prev = getattr(_STATE, "scratch", ())
+    _STATE.scratch = prev + tuple(id(t) for t in tensors)
+    try:
+        yield
+    finally:
+        _STATE.scratch = prev
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP
+from gact_graph.core.chunked import RowChunked, row_ranges
+from gact_graph.lean import is_scratch
 
 __all__ = ["BatchNormFunction", "batch_norm"]
 
@@ -52,7 +54,14 @@ def _channel_view(t: Tensor, ndim: int) -> Tensor:
 
 class BatchNormFunction(torch.autograd.Function):
     """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, ...)``
-    saving :math:`\\hat x`, the per-channel ``invstd`` and the weight."""
+    saving :math:`\\hat x`, the per-channel ``invstd`` and the weight.
+
+    Inside the sensitivity probe's partial backwards (`reads_row_chunks`) a compressed 2-D
+    :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk at a time: the
+    probe replays this backward on top of the user's, and a whole dequantized copy was one
+    input-sized tensor of the probed step's peak (GCN + BatchNorm)."""
+
+    reads_row_chunks = True
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, momentum, eps):
@@ -83,10 +92,19 @@ class BatchNormFunction(torch.autograd.Function):
         nd = grad.dim()
         dims = [0, *range(2, nd)]
         acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        g, xh = grad.to(acc), xhat.to(acc)
+        chunks = None
+        if isinstance(xhat, RowChunked) and not xhat.transposed:
+            chunks = xhat.q  # read below a row chunk at a time
+        g = grad.to(acc)
+        xh = None if chunks is not None else xhat.to(acc)
         m = g.numel() // g.shape[1]
         dbeta = g.sum(dims)
-        dgamma = _channel_dot(g, xh, dims)
+        if chunks is None:
+            dgamma = _channel_dot(g, xh, dims)
+        else:
+            dgamma = g.new_zeros(g.shape[1])
+            for r0, r1 in row_ranges(chunks):
+                dgamma += (g[r0:r1] * chunks.rows(r0, r1).dequantize().to(acc)).sum(0)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # dx = scale * (m g - dbeta - xh dgamma), written so that one input-sized tensor
@@ -94,8 +112,17 @@ class BatchNormFunction(torch.autograd.Function):
             scale = invstd.to(acc) / m
             if weight is not None:
                 scale = scale * weight.to(acc)
-            dx = xh * _channel_view(-scale * dgamma, nd)
-            dx.addcmul_(g, _channel_view(scale * m, nd)).sub_(_channel_view(scale * dbeta, nd))
+            a, b = _channel_view(-scale * dgamma, nd), _channel_view(scale * m, nd)
+            c = _channel_view(scale * dbeta, nd)
+            if chunks is None:
+                # the probe's replay: written into its own noisy copy of xhat (`scratch`)
+                dx = xh.mul_(a) if is_scratch(xhat) and xh is xhat else xh * a
+                dx.addcmul_(g, b).sub_(c)
+            else:
+                dx = torch.empty_like(g)
+                for r0, r1 in row_ranges(chunks):
+                    part = torch.mul(chunks.rows(r0, r1).dequantize().to(acc), a, out=dx[r0:r1])
+                    part.addcmul_(g[r0:r1], b).sub_(c)
             dx = dx.to(grad.dtype)
         if weight is not None and ctx.needs_input_grad[3]:
             dw = dgamma.to(weight.dtype)

@@ -113,7 +113,11 @@ class DropoutFunction(torch.autograd.Function):
         noise = torch.empty_strided(shape, ctx.stride, dtype=dtype, device=device)
         noise.bernoulli_(1 - p, generator=gen)
         noise.div_(1 - p)
-        return grad * noise, None, None
+        if torch.is_grad_enabled() or grad.dtype != noise.dtype:  # create_graph; autocast
+            return grad * noise, None, None
+        # the regenerated mask is this backward's own: the gradient goes into it (the same
+        # products) rather than into a second input-sized tensor
+        return noise.mul_(grad), None, None
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:

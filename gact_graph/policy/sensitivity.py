@@ -69,7 +69,7 @@ from torch.autograd.graph import GradientEdge
 from gact_graph.core.chunked import RowChunked, row_ranges
 from gact_graph.core.quantize import QTensor, quantize
 from gact_graph.core.saved import tensors_in
-from gact_graph.lean import lean_backward
+from gact_graph.lean import lean_backward, scratch
 
 __all__ = [
     "S",
@@ -613,10 +613,12 @@ class SensitivityProbe:
         if over is not None:
             return over
         mat1 = getattr(self._tls, "chunked_mat1", None)
-        if mat1 is not None and self._busy() and stored.kind == "activation":
+        rows = getattr(self._tls, "chunked_rows", False)
+        if (mat1 is not None or rows) and self._busy() and stored.kind == "activation":
             p = stored.payload
-            if isinstance(p, QTensor) and tuple(p.shape) == mat1 and not torch.is_grad_enabled():
-                return RowChunked(p)
+            if isinstance(p, QTensor) and not torch.is_grad_enabled():
+                if tuple(p.shape) == mat1 or (rows and len(p.shape) == 2):
+                    return RowChunked(p)
         t = inner(stored)
         if not self._busy():
             reads = getattr(self._tls, "reads", None)
@@ -646,6 +648,10 @@ class SensitivityProbe:
             # inside a partial backward, a matmul reads its compressed mat1 in row chunks
             shapes = self._matmul_shapes(node) if self._busy() else None
             self._tls.chunked_mat1 = None if shapes is None else shapes[0]
+            # ... and a Function of this package that says it reads any compressed matrix so
+            # (``reads_row_chunks``, e.g. the BatchNorm saving its normalized input)
+            fwd_cls = getattr(node, "_forward_cls", None)
+            self._tls.chunked_rows = self._busy() and getattr(fwd_cls, "reads_row_chunks", False)
             if not self._busy():
                 for seeds in self._pending.pop(id(node), ()):
                     self._propagate(seeds)
@@ -680,6 +686,7 @@ class SensitivityProbe:
     def _post_hook(self, node):
         def hook(grad_inputs, grad_outputs):
             self._tls.chunked_mat1 = None
+            self._tls.chunked_rows = False
             if self._busy():
                 return None
             reads = getattr(self._tls, "reads", None)
@@ -826,7 +833,8 @@ class SensitivityProbe:
     def _replay_noisy(self, node, stored, noisy, grad_outputs):
         self._override[id(stored)] = noisy
         try:
-            return self._replay(node, grad_outputs)
+            with scratch(noisy):  # the probe's own copy, read no more after the replay
+                return self._replay(node, grad_outputs)
         finally:
             self._override.pop(id(stored), None)
 
@@ -874,8 +882,11 @@ class SensitivityProbe:
                     self._add(acc, p, a - (0 if b is None else b))
         else:
             out = self._replay_noisy(node, stored, noisy, grad_outputs)
-        theirs.append(noisy)
         out = list(out)
+        # the noisy copy is the probe's own: an output written into it (a lean backward's,
+        # `scratch`) may be reused for its difference, unless two outputs share it
+        if sum(isinstance(o, Tensor) and _shares_storage(o, [noisy]) for o in out) > 1:
+            theirs.append(noisy)
         edges, seeds = [], []
         for k, base in enumerate(grad_inputs):
             o = out[k] if k < len(out) else None
@@ -926,7 +937,10 @@ class SensitivityProbe:
         with self._inside():
             try:
                 acc = self._acc.setdefault(name, {})
-                while len(edges) == 1:  # a chain: walk it by hand, one gradient alive at a time
+                while True:  # a chain: walk it by hand, one gradient alive at a time
+                    edges, grads = self._split_small(acc, edges, grads)
+                    if len(edges) != 1:
+                        break
                     advanced = self._advance(acc, edges[0], grads)
                     if advanced is None:
                         break
@@ -976,6 +990,23 @@ class SensitivityProbe:
             edges.append(target)
             grads.append(o)
         return edges, grads
+
+    def _split_small(self, acc: dict[int, Tensor], edges: list, grads: list[Tensor]):
+        """Carry every gradient but the largest to the parameters now, where each is at most
+        an eighth of it (a weight's transpose beside the input's gradient of a matmul), and
+        return the largest alone, so that the walk by hand goes on through the chain: stopped
+        there, the partial backward of `_grad_into` held the matmul's input gradient and every
+        gradient below it to its end (GCN + BatchNorm: two N x C tensors at the probed step's
+        peak). The sum over parameters is linear in the seeds, so splitting it changes
+        nothing but the order of additions."""
+        if len(edges) < 2:
+            return edges, grads
+        big = max(range(len(grads)), key=lambda i: grads[i].numel())
+        rest = [i for i in range(len(grads)) if i != big]
+        if any(grads[i].numel() * 8 > grads[big].numel() for i in rest):
+            return edges, grads
+        self._grad_into(acc, [edges[i] for i in rest], [grads[i] for i in rest])
+        return [edges[big]], [grads[big]]
 
     def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
         """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""

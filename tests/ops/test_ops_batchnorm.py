@@ -162,3 +162,39 @@ def test_compressed_model_lossless_equals_stock_and_2_bits_stays_close():
         with compress_gnn(model, bits=2, adaptive=False, min_numel=0, pointwise=pointwise):
             errs.append(((grads() - ref).norm() / ref.norm()).item())
     assert errs[0] < 0.5 and errs[0] < errs[1], errs
+
+
+def test_backward_reads_a_row_chunked_normalized_input_as_the_dense_one(monkeypatch):
+    """In the probe's partial backwards the normalized input arrives as a `RowChunked` (read
+    a row chunk at a time, no dense copy): same gradients as from its dense dequantization."""
+    from gact_graph.core.chunked import RowChunked
+    from gact_graph.core.quantize import QTensor, quantize
+
+    read = []  # rows of every dequantization
+    real = QTensor.dequantize
+    monkeypatch.setattr(QTensor, "dequantize", lambda q: read.append(q.shape[0]) or real(q))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 48, generator=g).requires_grad_()  # 144,000 elements: 3 chunks
+    w = torch.rand(48, generator=g).add_(0.5).requires_grad_()
+    b = torch.randn(48, generator=g).requires_grad_()
+    grad = torch.randn(3000, 48, generator=g)
+    got = {}
+    for mode in ("dense", "chunked"):
+
+        def pack(t):
+            return quantize(t, 4, seed=0) if t.dim() == 2 else t
+
+        def unpack(p, mode=mode):
+            if not isinstance(p, QTensor):
+                return p
+            return RowChunked(p) if mode == "chunked" else p.dequantize()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = BatchNormFunction.apply(x, None, None, w, b, 0.1, 1e-5)
+        read.clear()
+        got[mode] = torch.autograd.grad(y, (x, w, b), grad)
+        if mode == "chunked":
+            assert read and max(read) < 3000, read  # never the whole matrix at once
+    for dense, chunked in zip(got["dense"], got["chunked"]):
+        torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-5)

@@ -378,16 +378,20 @@ def test_closed_form_matmul_estimate_is_the_replays_expectation(widths):
 
 
 def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
-    """Inside the probe's partial backwards, a matmul reads its compressed input a row chunk
-    at a time (`RowChunked`) and GAT's backward takes its two-pass variant (`lean_backward`),
-    both for memory (issue 13): the estimates are those of the dense one-pass backward."""
+    """Inside the probe's partial backwards, a matmul and BatchNorm read their compressed
+    input a row chunk at a time (`RowChunked`), GAT's backward takes its two-pass variant
+    (`lean_backward`), BatchNorm's replay writes into the probe's noisy copy (`scratch`) and
+    the walk by hand carries a weight's small gradient apart (`_split_small`), all for memory
+    (issue 13): the estimates are those of the dense one-pass backward."""
     from gact_graph import lean
+    from gact_graph.ops import batchnorm
     from gact_graph.policy import sensitivity
 
     ctl, step = _small_gat(2)
     state = torch.get_rng_state()
-    made, lean_calls = [], []
+    made, lean_calls, scratch_calls, splits = [], [], [], []
     real_chunked, real_is_lean = sensitivity.RowChunked, lean.is_lean
+    real_scratch, real_split = lean.is_scratch, sensitivity.SensitivityProbe._split_small
 
     def chunked(q):
         made.append(tuple(q.shape))
@@ -397,14 +401,34 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
         lean_calls.append(real_is_lean())
         return lean_calls[-1]
 
+    def is_scratch(t):
+        scratch_calls.append(real_scratch(t))
+        return scratch_calls[-1]
+
+    def split(self, acc, edges, grads):
+        out = real_split(self, acc, edges, grads)
+        splits.append(len(out[0]) < len(edges))
+        return out
+
     monkeypatch.setattr(sensitivity, "RowChunked", chunked)
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", is_lean)
+    monkeypatch.setattr(batchnorm, "is_scratch", is_scratch)
+    monkeypatch.setattr(sensitivity.SensitivityProbe, "_split_small", split)
+    bn_chunks = []
+    real_ranges = batchnorm.row_ranges
+    monkeypatch.setattr(batchnorm, "row_ranges", lambda q: bn_chunks.append(1) or real_ranges(q))
     torch.set_rng_state(state)
     got = probe_sensitivity(ctl, step, seed=5)
     assert made and any(lean_calls), (made, lean_calls)
+    assert any(scratch_calls) and any(splits), (scratch_calls, splits)
+    assert bn_chunks  # BatchNorm read its normalized input a row chunk at a time
 
     monkeypatch.setattr(sensitivity, "RowChunked", lambda q: q.dequantize())
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", lambda: False)
+    monkeypatch.setattr(batchnorm, "is_scratch", lambda t: False)
+    monkeypatch.setattr(
+        sensitivity.SensitivityProbe, "_split_small", lambda self, acc, e, g: (e, g)
+    )
     torch.set_rng_state(state)
     dense = probe_sensitivity(ctl, step, seed=5)
     assert set(got) == set(dense) and len(got) >= 5
