@@ -98,8 +98,11 @@ class DropoutFunction(torch.autograd.Function):
                 caller = gen.get_state()
                 gen.set_state(saved)
                 try:
+                    # only the mask is kept: the dummy and its dropped-out copy (two input-sized
+                    # tensors) are freed before the gradient is formed
                     dummy = torch.empty(shape, dtype=dtype, device=device)
-                    _, mask = torch.native_dropout(dummy, p, True)
+                    mask = torch.native_dropout(dummy, p, True)[1]
+                    del dummy
                 finally:
                     gen.set_state(caller)
             else:
