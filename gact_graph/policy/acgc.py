@@ -66,8 +66,8 @@ from gact_graph.policy.sensitivity import S
 __all__ = ["AcgcAdapter", "BoundInfeasible", "allocate_bits_bounded", "attach_acgc"]
 
 #: cells of the DP table (tensors x cost states) before the costs are rounded up to a coarser
-#: unit; 4 M keeps a re-plan of a 64-layer model well under a second on a CPU
-_DP_CELLS = 1 << 22
+#: unit; 2 M (1 MiB packed) keeps a re-plan of a 64-layer model well under a second on a CPU
+_DP_CELLS = 1 << 21
 
 
 class BoundInfeasible(ValueError):

@@ -21,7 +21,8 @@ the controller would quantize: float activations of at least ``min_numel`` eleme
 graph-aware paths do not keep lossless.
 
 **Solver.** Exact dynamic programming over the budget in units of the gcd of all costs
-(a multiple-choice knapsack) whenever the table is small (``L * states <= 2**25``), otherwise
+(a multiple-choice knapsack) whenever the table is small (``L * states <= 2**21`` and
+``states <= 2**15``: under 2 MiB of host memory), otherwise
 the same DP on costs rounded *up* to a coarser unit (so the budget still holds), polished by
 pairwise exchanges with the true costs. Either way the
 slack left is then filled by the upgrade with the largest variance reduction per bit that still
@@ -61,7 +62,13 @@ __all__ = [
 
 #: Bit widths a plan may use: what the quantizer packs, and 32 (kept as is).
 DEFAULT_LADDER = PLAN_BITS
-_DP_CELLS = 1 << 25
+#: Size limits of the exact DP (`dp_units`): table cells (tensors x capacity states, packed two
+#: to a byte: 1 MiB) and capacity states (three float64 work buffers: 768 KiB). The DP runs on
+#: the host at ``ctl.iterate()``; with 2**25 cells and no state limit it held 7 MiB on a
+#: 64-layer GCNII (1,000 nodes, more than that step's own tensors) and 60 MiB on 5 tensors of
+#: 200,000 x 256. Beyond them the costs are rounded up to a coarser unit and `_exchange` polishes.
+_DP_CELLS = 1 << 21
+_DP_STATES = 1 << 15
 
 
 # ---------------------------------------------------------------------------------- costs
@@ -124,6 +131,7 @@ def allocate_bits(
     meta_bytes: Sequence[int] | None = None,
     *,
     max_cells: int = _DP_CELLS,
+    max_states: int = _DP_STATES,
 ) -> list[int]:
     r"""Bits per tensor minimizing :math:`\sum_l c_l S(b_l)` subject to
     :math:`\sum_l \mathrm{cost}_l(b_l) \le` ``budget_bits`` (see the module docstring).
@@ -137,6 +145,7 @@ def allocate_bits(
             width below 32.
         max_cells: size limit of the exact DP table (``L * budget states``); larger problems
             run the DP on costs rounded up to a coarser unit.
+        max_states: the same for the budget states alone (the DP's work buffers).
 
     Returns:
         One ladder value per tensor. Raises ``ValueError`` if even the cheapest plan does not
@@ -152,32 +161,36 @@ def allocate_bits(
     if budget < base:
         raise ValueError(f"budget of {budget_bits} bits is below the cheapest plan ({base} bits)")
     inc = [[x - min(row) for x in row] for row in costs]  # all >= 0
-    choice, exact = _dp(vals, inc, budget - base, max_cells)
+    choice, exact = _dp(vals, inc, budget - base, max_cells, max_states)
     _fill_slack(choice, vals, costs, budget)
     if not exact:
         _exchange(choice, vals, costs, budget)
+        _fill_slack(choice, vals, costs, budget)
     return [lad[j] for j in choice]
 
 
-def _dp(vals, inc, slack: int, max_cells: int) -> list[int]:
+def _dp(vals, inc, slack: int, max_cells: int, max_states: int) -> tuple[list[int], bool]:
     """Multiple-choice knapsack by DP over capacity (``f[w]``: best value with extra cost
     <= ``w`` units); exact when the unit is the gcd of all increments."""
-    w, states, exact = dp_units(inc, slack, max_cells)
+    w, states, exact = dp_units(inc, slack, max_cells, max_states)
     _, picks = mck_table(vals, w, states)
     return backtrack(picks, w, states - 1), exact
 
 
-def dp_units(inc, span: int, max_cells: int) -> tuple[list[list[int]], int, bool]:
+def dp_units(
+    inc, span: int, max_cells: int, max_states: int = _DP_STATES
+) -> tuple[list[list[int]], int, bool]:
     """The cost increments ``inc`` (>= 0) in DP units, the number of capacity states up to
     ``span``, and whether the unit is exact: the gcd of all increments, unless the table
-    (items x states) would exceed ``max_cells``; then a coarser unit, costs rounded *up* so
-    that whatever the DP admits still fits the true costs."""
+    (items x states) would exceed ``max_cells`` or the states ``max_states``; then a coarser
+    unit, costs rounded *up* so that whatever the DP admits still fits the true costs."""
     n = max(1, len(inc))
     unit = reduce(math.gcd, [x for row in inc for x in row if x > 0], 0) or 1
     states = span // unit + 1
-    exact = n * states <= max_cells
+    limit = max(2, min(max_cells // n, max_states))
+    exact = states <= limit
     if not exact:
-        unit = max(unit, -(-span // max(1, max_cells // n - 1)))
+        unit = max(unit, -(-span // (limit - 1)))
         states = span // unit + 1
     return [[-(-x // unit) for x in row] for row in inc], states, exact
 
@@ -228,35 +241,44 @@ def backtrack(picks: np.ndarray, w, cap: int) -> list[int]:
     return choice
 
 
-def _exchange(choice: list[int], vals, costs, budget: int, max_rounds: int = 20) -> None:
-    """Local search after the coarse DP: move two tensors at once (one down, one up, or any
-    pair of rungs) while that lowers the objective within the true budget."""
-    n, m = len(choice), len(vals[0])
-    spent = sum(costs[i][j] for i, j in enumerate(choice))
-    for _ in range(max_rounds):
-        improved = False
-        for i in range(n):
-            for k in range(n):
-                if i == k:
-                    continue
-                ji, jk = choice[i], choice[k]
-                for a in range(m):
-                    for b in range(m):
-                        if a == ji and b == jk:
-                            continue
-                        extra = costs[i][a] - costs[i][ji] + costs[k][b] - costs[k][jk]
-                        if spent + extra > budget:
-                            continue
-                        gain = vals[i][ji] + vals[k][jk] - vals[i][a] - vals[k][b]
-                        if gain > 1e-12 * (abs(vals[i][ji]) + abs(vals[k][jk])) and gain > 0:
-                            choice[i], choice[k] = a, b
-                            spent += extra
-                            ji, jk = a, b
-                            improved = True
-        _fill_slack(choice, vals, costs, budget)
-        spent = sum(costs[i][j] for i, j in enumerate(choice))
-        if not improved:
+def _exchange(choice: list[int], vals, costs, budget: int, max_moves: int | None = None) -> None:
+    """Local search after the coarse DP: take the best move of two tensors at once (any pair
+    of rungs, one of them possibly unchanged: single moves are pairs too) while it lowers the
+    objective within the true budget. Vectorized over all pairs (rows of ``_PAIR_ROWS`` moves
+    at a time, so the work buffers stay under 1 MiB for a few hundred tensors): a loop over
+    pairs in Python took 4-8 s on 200 tensors."""
+    V = np.asarray(vals, dtype=np.float64)
+    C = np.asarray(costs, dtype=np.int64)
+    n, m = V.shape
+    if n < 2:
+        return
+    rows = np.arange(n)
+    owner = np.repeat(rows, m)
+    for _ in range(max_moves if max_moves is not None else 4 * n):
+        cur = np.asarray(choice)
+        cur_v, cur_c = V[rows, cur], C[rows, cur]
+        slack = budget - int(cur_c.sum())
+        gain = (cur_v[:, None] - V).ravel()  # moving tensor i to rung a lowers it by this
+        extra = (C - cur_c[:, None]).ravel()  # ... and costs this many more bits
+        tol = 1e-12 * float(np.abs(cur_v).sum())
+        best, at = tol, None
+        for lo in range(0, n * m, _PAIR_ROWS):
+            hi = min(lo + _PAIR_ROWS, n * m)
+            g = gain[lo:hi, None] + gain[None, :]
+            bad = extra[lo:hi, None] + extra[None, :] > slack
+            bad |= owner[lo:hi, None] == owner[None, :]
+            g[bad] = -np.inf
+            k = int(np.argmax(g))
+            if g.flat[k] > best:
+                best, at = float(g.flat[k]), (lo + k // (n * m), k % (n * m))
+        if at is None:
             return
+        for flat in at:
+            choice[flat // m] = flat % m
+
+
+#: moves per row block of `_exchange`'s pair table
+_PAIR_ROWS = 64
 
 
 def _fill_slack(choice: list[int], vals, costs, budget: int) -> None:

@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import tracemalloc
 
 import pytest
 
@@ -80,6 +81,29 @@ def test_coarse_dp_on_large_tensors_keeps_budget_and_is_near_optimal(trial):
     assert _no_upgrade_fits(bits, D, budget, DEFAULT_LADDER, meta)[0]
     best = _brute_force(c, D, budget, DEFAULT_LADDER, meta)
     assert _objective(c, bits) <= best * 1.01
+
+
+@pytest.mark.parametrize("n, rows", [(67, 1_000), (5, 200_000)])
+def test_default_dp_holds_under_two_mib_and_stays_near_the_exact_plan(n, rows):
+    # mixed widths make the gcd of the costs small: the exact table would be large (64-layer
+    # GCNII, 1,000 nodes: 67 x 132,505 states, 7 MiB at ctl.iterate(); 5 tensors of 200,000
+    # rows: 60 MiB of work buffers)
+    rng = random.Random(n)
+    shapes = [(rows, 64)] * (n - 2) + [(rows, 16), (rows - 3, 7)]
+    D, meta = map(list, zip(*(tensor_costs(s) for s in shapes)))
+    c = [10 ** rng.uniform(-3, 3) for _ in range(n)]
+    budget = budget_bits(2, D, meta) * 1.37
+    tracemalloc.start()
+    try:
+        bits = allocate_bits(c, D, budget, DEFAULT_LADDER, meta)
+        held = tracemalloc.get_traced_memory()[1]  # numpy reports its buffers here
+    finally:
+        tracemalloc.stop()
+    assert held < 2.5 * 2**20
+    assert plan_cost_bits(bits, D, meta) <= budget
+    assert _no_upgrade_fits(bits, D, budget, DEFAULT_LADDER, meta)[0]
+    exact = allocate_bits(c, D, budget, DEFAULT_LADDER, meta, max_cells=1 << 40, max_states=1 << 40)
+    assert _objective(c, bits) <= _objective(c, exact) * 1.01
 
 
 @pytest.mark.parametrize("avg", [1, 2, 4, 8])
