@@ -188,6 +188,7 @@ class BudgetPlanner:
         self.profiles = 0
         self._phase: str | None = None  # "profile" / "planned" during a step, else None
         self._meter: StepMeter | None = None
+        self._live: LiveBytes | None = None
         self._base: int | None = None
         self._timer: CodecTimer | None = None
         self._seg_of: dict[str, str | None] = {}

@@ -144,6 +144,9 @@ def test_a_failing_profile_forward_leaves_no_mode_behind():
     assert [type(m) for m in _get_current_dispatch_mode_stack()] == [LiveBytes]
     ctl.remove()
     assert _get_current_dispatch_mode_stack() == []
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    ctl.remove()  # before any step (raised AttributeError once)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # every patch undone
 
 
 def test_budget_below_the_named_least_raises_at_the_profile_step_naming_it(least):
