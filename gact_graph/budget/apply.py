@@ -318,7 +318,10 @@ class BudgetPlanner:
         return total
 
     def _on_segment(self, event: str, segment, store, seconds: float) -> None:
-        if self._phase is None:
+        if self._phase is None or is_lean():
+            # the sensitivity probe's partial backwards recompute segments too: their tensors,
+            # times and rises are not the step's (counted, they made a GAT layer's recompute
+            # look up to 9x slower and its saved tensors 9x larger)
             return
         if event == "forward":
             self._meta.setdefault(segment.path, []).extend(segment.meta)
@@ -369,7 +372,7 @@ class BudgetPlanner:
         return live
 
     def _after_forward(self, module, args, output) -> None:
-        if self._phase is None:
+        if self._phase is None or is_lean():
             return
         if output is None:  # the forward raised (``always_call``): no step to measure
             self._phase = None

@@ -176,6 +176,33 @@ def test_replans_when_the_graph_size_changes(least):
     ctl.remove()
 
 
+def _profiled(name: str, adaptive: bool):
+    """Per segment, the tensors and seconds one profile step measured for its recomputation."""
+    torch.manual_seed(0)
+    model = build_model(name, 16, 4, hidden_channels=64, num_layers=4, dropout=0.5)
+    ctl = compress_gnn(model, memory_budget="1GiB", adaptive=adaptive)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(model, ctl, _graph(600), 1)
+    planner = ctl.budget
+    inner = {seg: sorted((t.name, t.shape) for t in ts) for seg, ts in planner._inner.items()}
+    seconds = dict(planner._recompute_seconds)
+    ctl.remove()
+    return inner, seconds
+
+
+@pytest.mark.parametrize("name", ["gcnii", "gat"])
+def test_the_probes_recomputations_are_not_counted_as_the_steps(name):
+    # the sensitivity probe's partial backwards (adaptive=True) recompute segments as well;
+    # what they save is not the step's (once counted: a segment's tensors and time several
+    # times over, and its recompute option priced accordingly)
+    inner, seconds = _profiled(name, adaptive=True)
+    inner_no_probe, _ = _profiled(name, adaptive=False)
+    assert inner == inner_no_probe and len(inner) == 4
+    assert all(len(ts) == len({n for n, _ in ts}) for ts in inner.values())  # each once
+    assert seconds.keys() == inner.keys()
+
+
 def test_probes_stop_once_a_plan_is_in_force(least):
     model = _model()
     ctl = compress_gnn(model, memory_budget=int(least[0] * 4))
