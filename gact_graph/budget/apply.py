@@ -67,7 +67,14 @@ from typing import Any
 
 import torch
 
-from gact_graph.budget.planner import Option, Plan, Unit, smallest_memory, solve_plan
+from gact_graph.budget.planner import (
+    Option,
+    Plan,
+    Unit,
+    load_solver,
+    smallest_memory,
+    solve_plan,
+)
 from gact_graph.budget.profile import (
     CodecTimer,
     LiveBytes,
@@ -830,6 +837,7 @@ def attach_budget(ctl: Controller) -> BudgetPlanner:
         raise ValueError("attach_budget needs config.memory_budget")
     margin = float(ctl.config.extra.get("budget_margin", DEFAULT_MARGIN))
     rectify = ctl.config.extra.get("budget_rectify", "auto")
+    load_solver()  # outside every measured step (see there)
     planner = BudgetPlanner(ctl, budget, margin, rectify)
     ctl.budget = planner
     return planner

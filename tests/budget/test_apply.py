@@ -3,6 +3,8 @@ raises before training naming the smallest feasible one, a new graph size re-pla
 budget that allows everything kept gives stock's gradients."""
 
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -201,6 +203,21 @@ def test_the_probes_recomputations_are_not_counted_as_the_steps(name):
     assert inner == inner_no_probe and len(inner) == 4
     assert all(len(ts) == len({n for n, _ in ts}) for ts in inner.values())  # each once
     assert seconds.keys() == inner.keys()
+
+
+def test_the_solver_is_imported_when_the_budget_is_attached_not_inside_a_step():
+    # imported at the first plan, scipy's libraries landed between the CPU meter's baseline
+    # and every planned step: each one seemed 30 MiB over its prediction
+    code = (
+        "import sys\n"
+        "from gact_graph import compress_gnn\n"
+        "from gact_graph.models import build_model\n"
+        "model = build_model('gcn', 8, 2, hidden_channels=8, num_layers=2)\n"
+        "assert 'scipy.optimize' not in sys.modules\n"
+        "compress_gnn(model, memory_budget='1GiB')\n"
+        "assert 'scipy.optimize' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_probes_stop_once_a_plan_is_in_force(least):
