@@ -489,7 +489,16 @@ class BudgetPlanner:
                 # in every step, so the first plan already counts it, and the profile
                 # step's own setting is admitted only by what it really held
                 correction = max(0, measured - profile_peak)
-                profile_peak = max(profile_peak, measured)
+                now = self._meter.current()
+                if now is not None and live is not None and self._base is not None:
+                    # what the resident set keeps between steps beyond every live tensor
+                    # (the C allocator's retained chunks): later steps start with it, the
+                    # first did not (64-layer GCNII, 8,000 nodes: 16 MiB at rest after
+                    # the profile step, whose own peak held 2.4 MiB beyond its tensors;
+                    # the planned steps then held 13 MiB beyond theirs)
+                    retained = now - self._base - self._static - live.alive()
+                    correction = max(correction, retained)
+                profile_peak = max(profile_peak + correction, measured)
             state = self._plan_from_profile(growth, outside, profile_peak, correction)
             self._pause_probes()
             self.plans[self._signature] = state

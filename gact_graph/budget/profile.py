@@ -78,6 +78,14 @@ class StepMeter:
         except OSError:  # not Linux, or no permission: no measurement, the bound stands
             self.available = False
 
+    def current(self) -> int | None:
+        """The resident set now (CPU; None on CUDA or where it cannot be read)."""
+        if self.device.type == "cuda" or not self.available:
+            return None
+        with contextlib.suppress(OSError):
+            return _rss("VmRSS")
+        return None
+
     def peak(self) -> int | None:
         """The step's peak: absolute on CUDA, the resident set's high-water mark on CPU
         (None where it cannot be read)."""
@@ -173,6 +181,13 @@ class LiveBytes(TorchDispatchMode):
         gc.collect()
         self._sweep()
         return sum(n for _, n, serial in self._live.values() if serial > self._peak_serial)
+
+    def alive(self) -> int:
+        """Bytes of the storages this mode saw created that are alive now (cyclic garbage
+        collected first)."""
+        gc.collect()
+        self._sweep()
+        return self.bytes
 
     def close_window(self) -> int:
         """Bytes the window rose above its opening at most (0 if none was open)."""

@@ -351,6 +351,41 @@ def test_budget_rectify_is_validated():
         compress_gnn(_model(), memory_budget="1GiB", budget_rectify="yes")
 
 
+def test_what_the_resident_set_keeps_after_the_profile_step_is_in_the_correction(
+    least, monkeypatch
+):
+    """Later steps start with what the resident set kept after the profile step beyond every
+    live tensor (the C allocator's retained chunks), which the first step of a process did
+    not: it is in the correction when it exceeds what the step's own peak held beyond."""
+    kept, extra = 5 * 2**20, 2**20
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 4), budget_rectify=True)
+    planner = ctl.budget
+    ended = []
+    end_live = type(planner)._end_live
+
+    def keep_live(self):
+        ended.append(end_live(self))
+        return ended[-1]
+
+    def peak(meter):
+        live = ended[-1] if ended else None
+        return None if live is None else planner._base + planner._rest() + live.peak + extra
+
+    def current(meter):
+        return planner._base + planner._static + ended[-1].alive() + kept
+
+    monkeypatch.setattr(type(planner), "_end_live", keep_live)
+    monkeypatch.setattr(StepMeter, "peak", peak)
+    monkeypatch.setattr(StepMeter, "current", current)
+    _train(model, ctl, _graph(600), 1)
+    state = planner.plan_state
+    assert state.correction == kept
+    # what a later step at the profile step's setting holds: its tensors and what is kept
+    assert state.profile_peak == state.rest + ended[-1].peak + kept
+    ctl.remove()
+
+
 def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(least, monkeypatch):
     """With the rectifier's meter trusted, the profile step's measured peak above its tensor
     count (CPU: Python objects, the allocator) is in the first plan's prediction already, and
@@ -374,6 +409,7 @@ def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(le
 
     monkeypatch.setattr(type(planner), "_end_live", keep_live)
     monkeypatch.setattr(StepMeter, "peak", peak)
+    monkeypatch.setattr(StepMeter, "current", lambda meter: None)  # no reading at rest
     _train(model, ctl, _graph(600), 1)
     state = planner.plan_state
     # measured vs profile: the optimizer state the step created after its peak is carried
