@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph import compress_gnn
-from gact_graph.budget import DEFAULT_MARGIN, BudgetError
+from gact_graph.budget import DEFAULT_MARGIN, BudgetError, BudgetPlanner
 from gact_graph.budget.profile import LiveBytes, StepMeter
 from gact_graph.config import CompressionConfig, format_bytes, parse_bytes
 from gact_graph.models import build_model
@@ -351,35 +351,43 @@ def test_budget_rectify_is_validated():
         compress_gnn(_model(), memory_budget="1GiB", budget_rectify="yes")
 
 
-def test_what_the_resident_set_keeps_after_the_profile_step_is_in_the_correction(
-    least, monkeypatch
-):
-    """Later steps start with what the resident set kept after the profile step beyond every
-    live tensor (the C allocator's retained chunks), which the first step of a process did
-    not: it is in the correction when it exceeds what the step's own peak held beyond."""
-    kept, extra = 5 * 2**20, 2**20
-    model = _model()
-    ctl = compress_gnn(model, memory_budget=int(least[0] * 4), budget_rectify=True)
-    planner = ctl.budget
+def _fake_meter(monkeypatch, planner_of, extra: int, kept: int | None = None) -> list:
+    """The profile step's meter reads its counted tensors plus ``extra`` bytes at the peak
+    and, at rest, every live tensor plus ``kept`` (None: no reading at rest); ``planner_of()``
+    is the planner in use. Returns the profile steps' `LiveBytes` modes, in order."""
     ended = []
-    end_live = type(planner)._end_live
+    end_live = BudgetPlanner._end_live
 
     def keep_live(self):
         ended.append(end_live(self))
         return ended[-1]
 
     def peak(meter):
-        live = ended[-1] if ended else None
+        planner, live = planner_of(), ended[-1] if ended else None
         return None if live is None else planner._base + planner._rest() + live.peak + extra
 
     def current(meter):
-        return planner._base + planner._static + ended[-1].alive() + kept
+        planner = planner_of()
+        return None if kept is None else planner._base + planner._static + ended[-1].alive() + kept
 
-    monkeypatch.setattr(type(planner), "_end_live", keep_live)
+    monkeypatch.setattr(BudgetPlanner, "_end_live", keep_live)
     monkeypatch.setattr(StepMeter, "peak", peak)
     monkeypatch.setattr(StepMeter, "current", current)
+    return ended
+
+
+def test_what_the_resident_set_keeps_after_the_profile_step_is_in_the_correction(
+    least, monkeypatch
+):
+    """Later steps start with what the resident set kept after the profile step beyond every
+    live tensor (the C allocator's retained chunks), which the first step of a process did
+    not: it is in the correction when it exceeds what the step's own peak held beyond."""
+    kept = 5 * 2**20
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 4), budget_rectify=True)
+    ended = _fake_meter(monkeypatch, lambda: ctl.budget, extra=2**20, kept=kept)
     _train(model, ctl, _graph(600), 1)
-    state = planner.plan_state
+    state = ctl.budget.plan_state
     assert state.correction == kept
     # what a later step at the profile step's setting holds: its tensors and what is kept
     assert state.profile_peak == state.rest + ended[-1].peak + kept
@@ -390,26 +398,12 @@ def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(le
     """With the rectifier's meter trusted, the profile step's measured peak above its tensor
     count (CPU: Python objects, the allocator) is in the first plan's prediction already, and
     a budget below what that step really held is refused, naming the measured figure."""
-    extra = 3 * 2**20
+    extra = 3 * 2**20  # what nothing counts
     budget = int(least[0] * 4)
     model = _model()
     ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True)
+    ended = _fake_meter(monkeypatch, lambda: ctl.budget, extra)  # no reading at rest
     planner = ctl.budget
-
-    ended = []
-    end_live = type(planner)._end_live
-
-    def keep_live(self):
-        ended.append(end_live(self))
-        return ended[-1]
-
-    def peak(meter):  # the profile step's tensors as counted, plus 3 MiB nothing counts
-        live = ended[-1] if ended else None
-        return None if live is None else planner._base + planner._rest() + live.peak + extra
-
-    monkeypatch.setattr(type(planner), "_end_live", keep_live)
-    monkeypatch.setattr(StepMeter, "peak", peak)
-    monkeypatch.setattr(StepMeter, "current", lambda meter: None)  # no reading at rest
     _train(model, ctl, _graph(600), 1)
     state = planner.plan_state
     # measured vs profile: the optimizer state the step created after its peak is carried
@@ -420,7 +414,7 @@ def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(le
 
     model = _model()
     ctl = compress_gnn(model, memory_budget=int(least[0]), budget_rectify=True)
-    planner, ended[:] = ctl.budget, []
+    ended[:] = []
     with pytest.raises(BudgetError, match="measured beyond the tensors"):
         _train(model, ctl, _graph(600), 1)
     ctl.remove()
