@@ -686,20 +686,33 @@ def _dropout_reason(module, x) -> str | None:
     return None
 
 
-def _node_logits(ctl, h: Tensor, lin, att: Tensor, dtype: torch.dtype) -> Tensor:
-    """``<lin(h)_i, att>`` per head (N x H, in ``dtype``) computed as ``h @ (W^T att)``: from
-    the projection's input, never from its (quantized) output; see the module docstring."""
-    heads, channels = att.shape[-2:]
-    if is_lazy(lin.weight):  # stock's call of this projection would initialize it
-        with torch.no_grad():
-            lin(h)
+def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
+    """``<lin(h)_i, att>`` per head (N x H, in ``dtype``) for each ``(lin, att)`` of ``pairs``,
+    computed as ``h @ (W^T att)``: from the projection's input, never from its (quantized)
+    output; see the module docstring. One matmul for all of them: backward then reads ``h``
+    (dequantized, N x F_in) once and forms one N x F_in gradient, where a matmul per pair
+    dequantized it once each and summed their gradients (GAT's source and destination logits:
+    two N x F_in tensors more at the peak of its backward)."""
+    blocks = []
+    for lin, _ in pairs:
+        if is_lazy(lin.weight):  # stock's call of this projection would initialize it
+            with torch.no_grad():
+                lin(h)
     with autocast_off(h.device):  # stock's logits are an elementwise product: no autocast
         compute = torch.promote_types(h.dtype, dtype)
-        w_att = (lin.weight.view(heads, channels, -1) * att.view(heads, channels, 1)).sum(1)
-        w_att = w_att.to(compute)
-        if torch.is_grad_enabled():  # H x F_in, small; rounding it would only add noise
+        for lin, att in pairs:
+            heads, channels = att.shape[-2:]
+            blocks.append(
+                (lin.weight.view(heads, channels, -1) * att.view(heads, channels, 1)).sum(1)
+            )
+        w_att = (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).to(compute)
+        if torch.is_grad_enabled():  # (sum of H) x F_in, small; rounding it would only add noise
             ctl.keep_lossless(w_att, "activation")
-        return F.linear(h.to(compute), w_att).to(dtype)
+        logits = F.linear(h.to(compute), w_att).to(dtype)
+    if len(blocks) == 1:
+        return [logits]
+    # separate tensors, as when computed apart (small: N x H each)
+    return [part.contiguous() for part in logits.split([b.shape[0] for b in blocks], dim=1)]
 
 
 def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
@@ -712,8 +725,13 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
     x_src = lin_src(x_s).view(-1, heads, channels)
     # Stock's destination projection feeds only its logits: not computed here.
     dtype = torch.promote_types(x_src.dtype, module.att_src.dtype)  # stock's logits' dtype
-    a_src = _node_logits(ctl, x_s, lin_src, module.att_src, dtype)
-    a_dst = _node_logits(ctl, x_d, lin_dst, module.att_dst, dtype)
+    if x_s is x_d:
+        a_src, a_dst = _node_logits(
+            ctl, x_s, [(lin_src, module.att_src), (lin_dst, module.att_dst)], dtype
+        )
+    else:
+        (a_src,) = _node_logits(ctl, x_s, [(lin_src, module.att_src)], dtype)
+        (a_dst,) = _node_logits(ctl, x_d, [(lin_dst, module.att_dst)], dtype)
     # The softmax of quantized logits would be far off and they are small (N x H): lossless.
     if torch.is_grad_enabled():  # (nothing is saved otherwise)
         ctl.keep_lossless(a_src, "activation")

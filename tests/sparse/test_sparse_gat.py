@@ -697,3 +697,33 @@ def test_cpu_autocast_bf16_matches_pyg(conv_cls):
             ctl.remove()
     assert fused.dtype == stock.dtype
     torch.testing.assert_close(fused.float(), stock.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_source_and_destination_logits_share_one_matmul():
+    # one matmul for both node logits: backward dequantizes the layer's input once for them
+    # and forms one N x F_in gradient (apart: twice, and a sum of the two)
+    torch.manual_seed(0)
+    n, f_in, heads, channels = 300, 24, 3, 8
+    x = torch.randn(n, f_in, requires_grad=True)
+    ei = torch.randint(0, n, (2, 6 * n))
+    conv = GATConv(f_in, channels, heads=heads)
+    ref = GATConv(f_in, channels, heads=heads)
+    ref.load_state_dict(conv.state_dict())
+    ctl = compress_gnn(conv, bits=8, adaptive=False)
+    out = conv(x, ei)
+    assert "sparse-fused" in ctl.module_paths.values()
+    records = ctl.stats()["tensors"]
+    (inp,) = [r for r in records if tuple(r["shape"]) == (n, f_in)]
+    assert inp["uses"] == 2  # the projection and the joint logits
+    joint = {(2 * heads, f_in), (f_in, 2 * heads)}  # W^T att of both sides (saved transposed)
+    assert any(tuple(r["shape"]) in joint for r in records)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    grad, x.grad = x.grad, None
+    (ref(x, ei) * g).sum().backward()
+    # stock's gradients within 8-bit rounding noise (about 1 % of the norm)
+    for mine, stock in [(grad, x.grad)] + [
+        (p.grad, q.grad) for p, q in zip(conv.parameters(), ref.parameters())
+    ]:
+        assert (mine - stock).norm() <= 0.02 * stock.norm()
+    ctl.remove()
