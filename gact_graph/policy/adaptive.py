@@ -241,7 +241,7 @@ def backtrack(picks: np.ndarray, w, cap: int) -> list[int]:
     return choice
 
 
-def _exchange(choice: list[int], vals, costs, budget: int, max_moves: int | None = None) -> None:
+def _exchange(choice: list[int], vals, costs, budget: int) -> None:
     """Local search after the coarse DP: take the best move of two tensors at once (any pair
     of rungs, one of them possibly unchanged: single moves are pairs too) while it lowers the
     objective within the true budget. Vectorized over all pairs (rows of ``_PAIR_ROWS`` moves
@@ -254,7 +254,7 @@ def _exchange(choice: list[int], vals, costs, budget: int, max_moves: int | None
         return
     rows = np.arange(n)
     owner = np.repeat(rows, m)
-    for _ in range(max_moves if max_moves is not None else 4 * n):
+    for _ in range(4 * n):  # every move lowers the objective; a bound all the same
         cur = np.asarray(choice)
         cur_v, cur_c = V[rows, cur], C[rows, cur]
         slack = budget - int(cur_c.sum())

@@ -692,7 +692,8 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     output; see the module docstring. One matmul for all of them: backward then reads ``h``
     (dequantized, N x F_in) once and forms one N x F_in gradient, where a matmul per pair
     dequantized it once each and summed their gradients (GAT's source and destination logits:
-    two N x F_in tensors more at the peak of its backward)."""
+    per layer one dequantization, matmul and N x F_in addition more; the backward's peak,
+    which other tensors set, is the same either way)."""
     blocks = []
     for lin, _ in pairs:
         if is_lazy(lin.weight):  # stock's call of this projection would initialize it
