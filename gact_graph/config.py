@@ -48,6 +48,9 @@ EXTRA_OPTIONS = {
     "budget_rectify": "memory_budget: re-plan when a planned step's measured peak exceeds the "
     "budget ('auto', the default: on CUDA, and on CPU when MALLOC_MMAP_THRESHOLD_ is set; "
     "True; False)",
+    "budget_recompute": "memory_budget: when to measure recomputing segments ('auto', the "
+    "default: in a second profile step, only when no plan without it fits; True: in the first; "
+    "False: never)",
 }
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.

@@ -1,15 +1,22 @@
 """`compress_gnn(model, memory_budget=...)`: profile, plan, apply and re-plan (Adacc).
 
 **Steps.** The first training step with inputs of a new shape (a new graph, a new batch) is a
-*profile* step: it runs at the most compressed setting (every tensor at 1 bit, every CB1
-segment recomputed), so that it is itself the step least likely to exceed the budget. It
-measures what the plan needs: every saved tensor's shape (from the controller's records), the
-tensors each segment saves inside and its recompute time (`CheckpointManager` listeners), the
-step's peak (`StepMeter`), and, once per shape and width, the (de)compression time. After the
-step (at ``ctl.iterate()``) the planner (`gact_graph.budget.planner`) chooses per unit and the
-plan holds for every later step with inputs of that shape; plans are cached per input shape,
-so alternating graphs re-profile once each (Adacc's policy rectifier re-plans on a size
-change the same way).
+*profile* step: it runs at the setting least likely to exceed the budget, every saved tensor
+at 1 bit and no segment recomputed (on every model measured, recomputing every CB1 segment at
+1 bit held more than it saved: its fp32 intermediates in backward outweigh the 1-bit tensors
+it spares; `docs/results/budget.md`). It measures what the plan needs: every saved tensor's
+shape (from the controller's records), the step's peak (`StepMeter`), and, once per shape and
+width, the (de)compression time. After the step (at ``ctl.iterate()``) the planner
+(`gact_graph.budget.planner`) chooses per unit and the plan holds for every later step with
+inputs of that shape; plans are cached per input shape, so alternating graphs re-profile once
+each (Adacc's policy rectifier re-plans on a size change the same way).
+
+**Recompute profile.** Only when no plan without recomputation fits (not even below the
+accuracy bound, and the profile step itself measured above the budget) does the next step with
+that shape profile again with every segment recomputed, measuring the tensors each segment
+saves inside, its recompute time and rise (`CheckpointManager` listeners); its plan may then
+recompute segments. ``budget_recompute=True`` makes the first profile step recompute (every
+option measured at once), ``False`` never recomputes.
 
 **Predicted peak.** ``rest + fixed + plan.memory + transient``: ``rest`` is what exists before
 the step (CUDA: ``memory_allocated`` at its start; CPU: parameters, buffers and the model's
@@ -50,10 +57,12 @@ tensors is in the first plan's prediction, and the profile step's setting is adm
 by what it really held.
 
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
-lesser of the profile step's measured peak and the least relaxed plan's prediction with the
-margin): already at the end of the profile step's forward (before backward, from a lower bound
-without margin: saved bytes at 1 bit, the largest saved tensor dequantized, the parameters'
-gradients), else at its ``ctl.iterate()`` (the exact figure).
+lesser of a profile step's measured peak and the least relaxed plan's prediction with the
+margin, over both profiles where two ran): already at the end of the profile step's forward
+(before backward, from a lower bound without margin: saved bytes at 1 bit, what segments save
+left out where a recompute profile may follow, the largest saved tensor dequantized, the
+parameters' gradients), else at the ``ctl.iterate()`` of the last profile step (the exact
+figure).
 """
 
 from __future__ import annotations
@@ -99,7 +108,12 @@ _SWAP_MIN_BYTES = 1 << 16
 
 
 class BudgetError(ValueError):
-    """The memory budget cannot be met by any plan."""
+    """The memory budget cannot be met by any plan. ``least_budget``: the smallest feasible
+    budget in bytes that the message names (a lower bound where it says "at least")."""
+
+    def __init__(self, message: str, least_budget: int | None = None) -> None:
+        super().__init__(message)
+        self.least_budget = least_budget
 
 
 @dataclass
@@ -168,15 +182,19 @@ class BudgetPlanner:
         budget: int,
         margin: float = DEFAULT_MARGIN,
         rectify: bool | str = "auto",
+        recompute: bool | str = "auto",
     ) -> None:
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"budget_margin must be in [0, 1), got {margin}")
         if rectify not in ("auto", True, False):
             raise ValueError(f"budget_rectify must be 'auto', True or False, got {rectify!r}")
+        if recompute not in ("auto", True, False):
+            raise ValueError(f"budget_recompute must be 'auto', True or False, got {recompute!r}")
         self.ctl = ctl
         self.budget = int(budget)
         self.margin = float(margin)
         self.rectify = rectify
+        self.recompute = recompute
         cfg = ctl.config
         self.group_size = cfg.group_size
         self.min_numel = cfg.min_numel
@@ -191,6 +209,12 @@ class BudgetPlanner:
         self._swap_checked = False
         self.plans: dict[tuple, PlanState] = {}
         self.plan_state: PlanState | None = None
+        #: input shapes whose first profile step (nothing recomputed) found no plan: their
+        #: next step profiles with every segment recomputed. Value: the smallest budget that
+        #: first profile admits and a line on it, for the error the second may raise
+        self.compress_profiled: dict[tuple, tuple[int, str]] = {}
+        self._recomputing = False  # whether this profile step recomputes every segment
+        self._carried_before = 0  # what an earlier CPU profile step carried into later steps
         self.history: list[dict[str, Any]] = []
         self.profiles = 0
         self._phase: str | None = None  # "profile" / "planned" during a step, else None
@@ -285,7 +309,11 @@ class BudgetPlanner:
         state = self.plans.get(signature)
         if state is None:
             self._phase = "profile"
-            self.ckpt.enabled = None  # every segment recomputed
+            self._recomputing = bool(self.segments) and (
+                self.recompute is True
+                or (self.recompute == "auto" and signature in self.compress_profiled)
+            )
+            self.ckpt.enabled = None if self._recomputing else set()
         else:
             self._phase = "planned"
             self.plan_state = state
@@ -420,8 +448,11 @@ class BudgetPlanner:
     def _check_lower_bound(self) -> None:
         """End of a profile step's forward: can any plan fit? Only shapes are known here (what
         segments save inside: their holders' shapes), so this is a lower bound: every tensor
-        at 1 bit, every segment recomputed."""
+        at 1 bit, every segment recomputed. Where a recompute profile may still follow, what
+        segments save is left out (recomputed, a segment may hold only its inputs)."""
         tensors = self._records()
+        if self._may_recompute_next():
+            tensors = [t for t in tensors if not self._in_segment(t)]
         inner = []
         for metas in self._meta.values():
             for shape, dtype, _device in metas:
@@ -448,8 +479,17 @@ class BudgetPlanner:
                 f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
                 f"least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
                 f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}); the "
-                f"smallest feasible budget is at least {format_bytes(need)}"
+                f"smallest feasible budget is at least {format_bytes(need)}",
+                need,
             )
+
+    def _may_recompute_next(self) -> bool:
+        """Whether this profile step recomputes nothing but a recompute profile may follow."""
+        return self.recompute == "auto" and bool(self.segments) and not self._recomputing
+
+    def _in_segment(self, t: TensorInfo) -> bool:
+        """Whether ``t`` is saved by (for) one segment alone: that segment's unit holds it."""
+        return t.uses == 1 and self._segment_of(t.name.rsplit("#", 1)[0]) is not None
 
     def _rest(self) -> int:
         return self._meter.start if self._device.type == "cuda" else self._static
@@ -472,23 +512,30 @@ class BudgetPlanner:
             growth = outside = None
             if live is not None:
                 growth, outside = live.peak, live.outside_peak
-                self._carried = live.created_after_peak()
+                # a later profile step (a new shape, a recompute profile) starts with what
+                # an earlier one carried (the optimizer state) and does not create it again
+                self._carried = max(live.created_after_peak(), self._carried_before)
+                self._carried_before = self._carried
             elif peak is not None:
                 growth = peak - self._meter.start
             profile_peak = None
+            # the sensitivity probe's own tensors at the step's peak (CPU): later steps do not
+            # probe, so what a later step at this setting holds leaves them out
+            probe = 0 if outside is None else max(0, growth - outside)
             if self._device.type == "cuda":
                 profile_peak = peak
             elif growth is not None:
                 # what a later step at this setting holds: it starts with the optimizer
                 # state this step created after its peak
-                profile_peak = self._rest() + growth + self._carried
+                profile_peak = self._rest() + growth - probe + self._carried
             correction = 0
             if measured is not None and profile_peak is not None and self._rectifies():
                 # a trusted meter (the rectifier's) saw more than the tensors: what a CPU
                 # resident set holds besides them (Python objects, the allocator) is there
                 # in every step, so the first plan already counts it, and the profile
-                # step's own setting is admitted only by what it really held
-                correction = max(0, measured - profile_peak)
+                # step's own setting is admitted only by what it really held (less the
+                # probe's tensors, which it held too)
+                correction = max(0, measured - probe - profile_peak)
                 now = self._meter.current()
                 if now is not None and live is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
@@ -498,11 +545,12 @@ class BudgetPlanner:
                     # the planned steps then held 13 MiB beyond theirs)
                     retained = now - self._base - self._static - live.alive()
                     correction = max(correction, retained)
-                profile_peak = max(profile_peak + correction, measured)
+                profile_peak = max(profile_peak + correction, measured - probe)
             state = self._plan_from_profile(growth, outside, profile_peak, correction)
-            self._pause_probes()
-            self.plans[self._signature] = state
-            self.plan_state = state
+            if state is not None:
+                self._pause_probes()
+                self.plans[self._signature] = state
+                self.plan_state = state
             predicted = None
         else:
             predicted = self.plan_state.predicted
@@ -586,11 +634,13 @@ class BudgetPlanner:
         outside: int | None,
         profile_peak: int | None,
         correction: int = 0,
-    ) -> PlanState:
-        """The plan for the profile step just finished; ``growth`` is the most memory the
-        step held beyond what existed before it, ``outside`` the same outside the segments'
-        recomputations (CPU; None: not measured apart), ``profile_peak`` the step's measured
-        peak (None: not measurable).
+    ) -> PlanState | None:
+        """The plan for the profile step just finished (None: no plan without recomputation,
+        the next step with these inputs profiles with every segment recomputed); ``growth`` is
+        the most memory the step held beyond what existed before it, ``outside`` the same
+        outside the segments' recomputations and the probe's work (CPU; None: not measured
+        apart), ``profile_peak`` what a later step at the profile step's setting holds,
+        measured (None: not measurable).
 
         The backward transient is what the step held beyond its stored bytes and the largest
         recomputed segment's; where recomputations were measured apart (``outside``), it
@@ -600,10 +650,10 @@ class BudgetPlanner:
 
         In order: the fastest plan that meets the accuracy bound under ``budget * (1 -
         margin)``; else the fastest with the bound relaxed (1 bit allowed everywhere), with a
-        warning; else, when the budget is at least what the profile step measured, the profile
-        step's own setting (it ran within the budget, so refusing it would refuse a budget
-        that was just met). Otherwise `BudgetError`, naming the smallest budget one of these
-        admits."""
+        warning; else, when the budget is at least what a later step at the profile step's
+        setting holds (measured, less the probe's tensors), that setting (refusing it would
+        refuse a budget just met). Otherwise, where a recompute profile may follow, None;
+        else `BudgetError`, naming the smallest budget one of these admits."""
         self.profiles += 1
         tensors = self._records()
         rest = self._rest() + self._carried  # later steps start with what this one carried
@@ -644,10 +694,9 @@ class BudgetPlanner:
                 profile_memory = ran.memory
                 plan = solve_plan(loose, profile_memory, None) or ran
             else:
-                raise BudgetError(
-                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
-                    f"smallest feasible budget is {format_bytes(least_budget)} (the profile "
-                    f"step, every saved tensor at 1 bit and every segment recomputed, measured "
+                what = "every segment recomputed" if self._recomputing else "nothing recomputed"
+                detail = (
+                    f"(the profile step, every saved tensor at 1 bit and {what}, measured "
                     f"{'-' if profile_peak is None else format_bytes(profile_peak)}; the least "
                     f"plan predicts {format_bytes(need_loose)} with margin {self.margin:.0%}: "
                     f"rest {format_bytes(rest)}, fixed saved bytes {format_bytes(fixed)}, "
@@ -659,6 +708,18 @@ class BudgetPlanner:
                         else ""
                     )
                     + f"; {format_bytes(need_bound)} keeps the accuracy bound)"
+                )
+                if self._may_recompute_next():  # recomputing segments may still fit it
+                    self.compress_profiled[self._signature] = (least_budget, detail)
+                    return None
+                earlier = self.compress_profiled.get(self._signature)
+                if earlier is not None:
+                    least_budget = min(least_budget, earlier[0])
+                    detail += f"; without recomputation {earlier[1]}"
+                raise BudgetError(
+                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
+                    f"smallest feasible budget is {format_bytes(least_budget)} {detail}",
+                    least_budget,
                 )
             if relaxed == "profile":
                 how = (
@@ -732,9 +793,8 @@ class BudgetPlanner:
         seg_inputs: dict[str, list[TensorInfo]] = {s: [] for s in self.segments}
         fixed += sum(self._shared.values())
         for t in tensors:
-            seg = self._segment_of(t.name.rsplit("#", 1)[0])
-            if seg is not None and t.uses == 1:  # saved by (for) this segment alone
-                seg_inputs[seg].append(t)
+            if self._in_segment(t):  # saved by (for) this segment alone
+                seg_inputs[self._segment_of(t.name.rsplit("#", 1)[0])].append(t)
                 continue
             if not t.quantizable:
                 fixed += t.fixed_bytes
@@ -846,7 +906,8 @@ def attach_budget(ctl: Controller) -> BudgetPlanner:
         raise ValueError("attach_budget needs config.memory_budget")
     margin = float(ctl.config.extra.get("budget_margin", DEFAULT_MARGIN))
     rectify = ctl.config.extra.get("budget_rectify", "auto")
+    recompute = ctl.config.extra.get("budget_recompute", "auto")
     load_solver()  # outside every measured step (see there)
-    planner = BudgetPlanner(ctl, budget, margin, rectify)
+    planner = BudgetPlanner(ctl, budget, margin, rectify, recompute)
     ctl.budget = planner
     return planner

@@ -2,7 +2,6 @@
 raises before training naming the smallest feasible one, a new graph size re-plans, and a
 budget that allows everything kept gives stock's gradients."""
 
-import re
 import subprocess
 import sys
 import warnings
@@ -151,13 +150,59 @@ def test_a_failing_profile_forward_leaves_no_mode_behind():
     assert not any("forward" in m.__dict__ for m in model.modules())  # every patch undone
 
 
-def test_budget_below_the_named_least_raises_at_the_profile_step_naming_it(least):
+def _refused(budget: int, steps: int = 2) -> tuple[BudgetError, BudgetPlanner]:
     model = _model()
-    ctl = compress_gnn(model, memory_budget=least[0] - 1)
-    want = f"smallest feasible budget is {format_bytes(least[0])} "
-    with pytest.raises(BudgetError, match=re.escape(want)):
-        _train(model, ctl, _graph(600), 1)
+    ctl = compress_gnn(model, memory_budget=budget)
+    with pytest.raises(BudgetError) as info:
+        _train(model, ctl, _graph(600), steps)
     ctl.remove()
+    return info.value, ctl.budget
+
+
+def test_the_first_profile_step_recomputes_nothing(least):
+    _, st = least
+    assert not any(o.mode == "recompute" for u in st.units for o in u.options)
+    model = _model()
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(ctl.budget.ckpt.enabled))
+    _train(model, ctl, _graph(600), 1)
+    assert seen == [set()] and ctl.budget.profiles == 1 and not ctl.budget._recompute_seconds
+    ctl.remove()
+
+
+def test_below_what_compressing_alone_needs_a_recompute_profile_decides(least):
+    # the least the first profile names is what it admits without recomputation; below it, a
+    # second profile step recomputes every segment, and the error names the lesser of both
+    err, planner = _refused(int(least[0] * 0.8))
+    assert planner.profiles == 2 and planner._recomputing
+    assert [h["phase"] for h in planner.history] == ["profile"]  # the second raised
+    assert err.least_budget <= least[0]
+    assert "without recomputation" in str(err) and "every segment recomputed" in str(err)
+    assert f"smallest feasible budget is {format_bytes(err.least_budget)} " in str(err)
+    # one byte below the named figure: refused again, naming the same figure
+    again, _ = _refused(err.least_budget - 1)
+    assert again.least_budget == err.least_budget
+    # at it: admitted
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=err.least_budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(model, ctl, _graph(600), 3)
+    assert ctl.budget.plan_state.predicted <= err.least_budget
+    ctl.remove()
+
+
+def test_budget_recompute_true_profiles_recomputation_in_the_first_step():
+    model = _model()
+    ctl = compress_gnn(model, memory_budget="1GiB", budget_recompute=True)
+    _train(model, ctl, _graph(600), 1)
+    st = ctl.budget.plan_state
+    assert ctl.budget.profiles == 1
+    assert sum(any(o.mode == "recompute" for o in u.options) for u in st.units) == 4
+    ctl.remove()
+    with pytest.raises(ValueError, match="budget_recompute"):
+        compress_gnn(_model(), memory_budget="1GiB", budget_recompute="sometimes")
 
 
 def test_replans_when_the_graph_size_changes(least):
@@ -182,7 +227,7 @@ def _profiled(name: str, adaptive: bool):
     """Per segment, the tensors and seconds one profile step measured for its recomputation."""
     torch.manual_seed(0)
     model = build_model(name, 16, 4, hidden_channels=64, num_layers=4, dropout=0.5)
-    ctl = compress_gnn(model, memory_budget="1GiB", adaptive=adaptive)
+    ctl = compress_gnn(model, memory_budget="1GiB", adaptive=adaptive, budget_recompute=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train(model, ctl, _graph(600), 1)
@@ -416,5 +461,23 @@ def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(le
     ctl = compress_gnn(model, memory_budget=int(least[0]), budget_rectify=True)
     ended[:] = []
     with pytest.raises(BudgetError, match="measured beyond the tensors"):
-        _train(model, ctl, _graph(600), 1)
+        _train(model, ctl, _graph(600), 2)  # the second profile step recomputes
+    ctl.remove()
+
+
+def test_what_a_later_step_holds_leaves_the_profile_steps_probe_out(monkeypatch):
+    """The profile step runs the sensitivity probe, later steps do not: the peak that admits
+    the profile step's setting (and names the least budget) counts the step's tensors without
+    the probe's (once counted in: a GAT at ogbn-products' degree named 31.9 MiB, its planned
+    steps at that setting held 29.8)."""
+    torch.manual_seed(0)  # a GAT: its probe's replays hold attention tensors at the peak
+    model = build_model("gat", 16, 4, hidden_channels=64, num_layers=4, dropout=0.0)
+    ctl = compress_gnn(model, memory_budget="1GiB", budget_rectify=True)
+    ended = _fake_meter(monkeypatch, lambda: ctl.budget, 0)  # measures the tensors exactly
+    _train(model, ctl, _graph(600), 1)
+    live, planner = ended[-1], ctl.budget
+    state = planner.plan_state
+    assert live.peak > live.outside_peak  # the probe held tensors of its own at the peak
+    assert state.correction == 0
+    assert state.profile_peak == planner._rest() + live.outside_peak + planner._carried
     ctl.remove()
