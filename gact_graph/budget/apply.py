@@ -694,9 +694,8 @@ class BudgetPlanner:
                 profile_memory = ran.memory
                 plan = solve_plan(loose, profile_memory, None) or ran
             else:
-                what = "every segment recomputed" if self._recomputing else "nothing recomputed"
                 detail = (
-                    f"(the profile step, every saved tensor at 1 bit and {what}, measured "
+                    f"(the profile step, every saved tensor at 1 bit and {self._what()}, measured "
                     f"{'-' if profile_peak is None else format_bytes(profile_peak)}; the least "
                     f"plan predicts {format_bytes(need_loose)} with margin {self.margin:.0%}: "
                     f"rest {format_bytes(rest)}, fixed saved bytes {format_bytes(fixed)}, "
@@ -724,8 +723,8 @@ class BudgetPlanner:
             if relaxed == "profile":
                 how = (
                     "admitted by the profile step's measured peak "
-                    f"({format_bytes(profile_peak)}; 1 bit, every segment recomputed), the "
-                    "fastest plan predicted to hold no more than that setting runs"
+                    f"({format_bytes(profile_peak)}; 1 bit, {self._what()}), the fastest plan "
+                    "predicted to hold no more than that setting runs"
                 )
             else:
                 how = "the bound is relaxed (1 bit allowed everywhere)"
@@ -746,10 +745,13 @@ class BudgetPlanner:
             correction, profile_memory=profile_memory,
         )  # fmt: skip
 
+    def _what(self) -> str:
+        return "every segment recomputed" if self._recomputing else "nothing recomputed"
+
     @staticmethod
     def _profile_option(unit: Unit) -> Option:
-        """The option the profile step ran ``unit`` at: recomputed where it can be, at the
-        fewest bits."""
+        """The option the profile step ran ``unit`` at: recomputed where it can be (a recompute
+        profile measured it), at the fewest bits."""
         redo = [o for o in unit.options if o.mode == "recompute"]
         pool = redo or [o for o in unit.options if o.mode in ("compress", "keep")]
         return min(pool, key=lambda o: o.bits)
