@@ -144,45 +144,48 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _scaled_mask(mask: Tensor, p: float, dtype: torch.dtype) -> Tensor:
-    """``native_dropout``'s multiplier: the kept entries times ``1 / (1 - p)``."""
-    return mask.to(dtype).mul_(1.0 / (1.0 - p))
-
-
-def _draw_dropout(p: float, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-    """Stock ``F.dropout(alpha, p, True)``'s draw for an alpha of ``shape`` and ``dtype``, on the
-    default generator (``0 < p < 1``, nonempty): ``(multiplier, what regenerates it)``."""
+def _dropout_mask(
+    p: float,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    saved: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Stock ``F.dropout(alpha, p, True)``'s draw for an alpha of ``shape`` and ``dtype`` on the
+    default generator (``0 < p < 1``, nonempty), as a bool keep-mask in that alpha's order:
+    ``(mask, what regenerates it)``. ``saved``: replay that draw; the caller's generator state
+    is left as it was. Only the mask outlives the call (E x H bytes): the draw's dtype-sized
+    input and output are freed at once."""
     gen = _default_generator(device)
-    if device.type == "cuda":
-        capturing = torch.cuda.is_current_stream_capturing()
-        state = None if capturing else gen.get_state()
-        _, mask = torch.native_dropout(torch.empty(shape, dtype=dtype, device=device), p, True)
-        return _scaled_mask(mask, p, dtype), mask if capturing else state
-    state = gen.get_state()
-    noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p)
-    return noise.div_(1 - p), state
-
-
-def _redraw_dropout(
-    p: float, saved: Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    """The multiplier of `_draw_dropout` again, from what it saved; the caller's generator
-    state is left as it was."""
-    if saved.dtype == torch.bool:  # the mask itself (drawn during CUDA graph capture)
-        return _scaled_mask(saved, p, dtype)
+    if saved is not None and saved.dtype == torch.bool:  # the mask itself (CUDA graph capture)
+        return saved, saved
     if device.type == "cuda":  # native_dropout takes no generator: swap the state in and out
-        gen = _default_generator(device)
-        caller = gen.get_state()
-        gen.set_state(saved)
+        capturing = saved is None and torch.cuda.is_current_stream_capturing()
+        caller = None if capturing else gen.get_state()
+        if saved is not None:
+            gen.set_state(saved)
         try:
             _, mask = torch.native_dropout(torch.empty(shape, dtype=dtype, device=device), p, True)
         finally:
-            gen.set_state(caller)
-        return _scaled_mask(mask, p, dtype)
-    gen = torch.Generator(device=device)
-    gen.set_state(saved)
-    noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=gen)
-    return noise.div_(1 - p)
+            if saved is not None:
+                gen.set_state(caller)
+        return mask, (mask if capturing else (saved if saved is not None else caller))
+    if saved is None:
+        state, draw_gen = gen.get_state(), None
+    else:
+        state, draw_gen = saved, torch.Generator(device=device)
+        draw_gen.set_state(saved)
+    noise = torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=draw_gen)
+    mask = noise != 0
+    del noise
+    return mask, state
+
+
+def _multiplier(mask: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """Stock dropout's multiplier from its keep-mask, bit for bit: ATen's CPU path divides the
+    0/1 noise by ``1 - p``, CUDA's fused kernel multiplies by ``1 / (1 - p)``."""
+    kept = mask.to(dtype)
+    return kept.div_(1 - p) if mask.device.type == "cpu" else kept.mul_(1.0 / (1.0 - p))
 
 
 def _attention_dropout(
@@ -194,21 +197,29 @@ def _attention_dropout(
     perm: Tensor | None,
     saved: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(multiplier of alpha in CSR order or None, what to save)`` for attention dropout ``p``
-    as stock draws it: on an E x H alpha of ``dtype`` in stock's edge order (``perm``: CSR
-    position -> stock position; None: the same order). ``saved``: replay in backward."""
+    """``(keep-mask in CSR order or None, what to save)`` for attention dropout ``p`` as stock
+    draws it: on an E x H alpha of ``dtype`` in stock's edge order (``perm``: CSR position ->
+    stock position; None: the same order). ``saved``: replay in backward. ``p == 1`` gives an
+    all-false mask without a draw (ATen multiplies by a zero scalar); `_multiplier` of a row
+    range of the mask is what alpha's edges are multiplied by."""
     if p == 0.0 or num_edges * heads == 0:  # ATen returns alpha itself: nothing drawn
         return None, None
-    if p == 1.0:  # ATen multiplies by a zero scalar: nothing drawn either
-        return torch.zeros((), dtype=dtype, device=device), None
     shape = (num_edges, heads)
-    if saved is None:
-        noise, saved = _draw_dropout(p, shape, dtype, device)
-    else:
-        noise = _redraw_dropout(p, saved, shape, dtype, device)
+    if p == 1.0:  # ATen multiplies by a zero scalar: nothing drawn either
+        return torch.zeros(shape, dtype=torch.bool, device=device), None
+    mask, saved = _dropout_mask(p, shape, dtype, device, saved)
     if perm is not None:
-        noise = noise.index_select(0, perm)
-    return noise, saved
+        mask = mask.index_select(0, perm)
+    return mask, saved
+
+
+def _chunk_multiplier(mask: Tensor | None, p: float, dtype: torch.dtype, s: int, e: int):
+    """The dropout multiplier of CSR edges ``s:e`` (None: no dropout)."""
+    if mask is None:
+        return None
+    if p == 1.0:
+        return torch.zeros((), dtype=dtype, device=mask.device)
+    return _multiplier(mask[s:e], p, dtype)
 
 
 def _segment_softmax(logit: Tensor, dst: Tensor, num_dst: int) -> Tensor:
@@ -315,6 +326,62 @@ def _gat_logits(
     return logit
 
 
+class _EdgeChunks:
+    """Row ranges of a destination-sorted CSR cut into chunks of at most ``chunk`` edges, with
+    each chunk's sources and destinations. The destinations are made per chunk (an int64 per
+    edge of the chunk) rather than for every edge at once: on a graph of ogbn-products' size an
+    E-long int64 vector is 0.9 GiB. One host sync per instance (the chunks' first rows)."""
+
+    def __init__(self, rowptr: Tensor, col: Tensor, chunk: int) -> None:
+        self.rowptr, self.col = rowptr, col
+        self.num_edges = col.numel()
+        self.chunk = max(1, chunk)
+        self.starts = list(range(0, self.num_edges, self.chunk))
+        ends = [min(s + self.chunk, self.num_edges) - 1 for s in self.starts]
+        ends = torch.tensor(self.starts + ends, dtype=rowptr.dtype, device=rowptr.device)
+        rows = (torch.searchsorted(rowptr, ends, right=True) - 1).tolist()
+        self.rows = list(zip(rows[: len(self.starts)], rows[len(self.starts) :]))
+
+    def __iter__(self):
+        for s, (r0, r1) in zip(self.starts, self.rows):
+            e = min(s + self.chunk, self.num_edges)
+            yield s, e, self.col[s:e], self._destinations(s, e, r0, r1)
+
+    def _destinations(self, s: int, e: int, r0: int, r1: int) -> Tensor:
+        # as `csr_destinations` on edges s:e (rows r0..r1): a cumulative sum of the row starts
+        # inside the chunk (an empty row repeats its start and is skipped)
+        marks = torch.zeros(e - s, dtype=torch.int64, device=self.rowptr.device)
+        inside = self.rowptr[r0 + 1 : r1 + 1] - s
+        marks.index_add_(0, inside, torch.ones_like(inside))
+        return marks.cumsum_(0).add_(r0)
+
+
+def _softmax_stats(a_src, a_dst, chunks: _EdgeChunks, num_dst: int, slope: float, acc):
+    """Per destination and head, the max of the leaky-ReLU'd edge logits and the sum of their
+    shifted exponentials (PyG's `softmax`: max shift, +1e-16), edge chunk by edge chunk: no
+    E x H tensor. Same values as `_segment_softmax` (max is exact; the sums run in the same
+    edge order)."""
+    heads = a_src.shape[1]
+    m = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=a_src.device)
+    for _, _, col, dst in chunks:
+        pre = F.leaky_relu(_gat_logits(a_src, a_dst, col, dst, acc), slope)
+        m.scatter_reduce_(0, dst.unsqueeze(-1).expand_as(pre), pre, reduce="amax")
+    total = torch.zeros(num_dst, heads, dtype=acc, device=a_src.device)
+    for _, _, col, dst in chunks:
+        pre = F.leaky_relu(_gat_logits(a_src, a_dst, col, dst, acc), slope)
+        total.index_add_(0, dst, pre.sub_(m.index_select(0, dst)).exp_())
+    return m, total.add_(1e-16)
+
+
+def _chunk_alpha(a_src, a_dst, col, dst, m, total, slope: float, acc, keep_pre: bool = False):
+    """Softmax coefficients of one edge chunk from `_softmax_stats` (and the logits before
+    the shift, for the leaky ReLU's slope, when ``keep_pre``)."""
+    logit = _gat_logits(a_src, a_dst, col, dst, acc)
+    pre = F.leaky_relu(logit, slope)
+    alpha = pre.sub_(m.index_select(0, dst)).exp_().div_(total.index_select(0, dst))
+    return (alpha, logit) if keep_pre else alpha
+
+
 class GatAttentionFunction(torch.autograd.Function):
     """The edge stage of `GATConv` on a destination-sorted CSR.
 
@@ -326,6 +393,13 @@ class GatAttentionFunction(torch.autograd.Function):
     -> stock position, or None for CSR order) gives. Returns N_dst x H x C: ``out[i] = sum_j
     dropout(softmax_j(leaky_relu(a_src[j] + a_dst[i]))) * x_src[j]``. Saves ``x_src``,
     ``a_src``, ``a_dst``, ``rowptr``, ``col``, ``perm`` and the generator state of the draw.
+
+    Every edge-level quantity is made one edge chunk at a time from node-level ones (the
+    softmax's per-destination max and sum, then each chunk's coefficients), so the only
+    E x H tensors are the dropout's keep-mask (bool) and, in backward, the coefficients'
+    gradient (between the two passes the softmax's backward needs). A GAT at ogbn-products'
+    size (126 M edges with self-loops, 3 heads) held about eight E x H fp32 tensors (1.4 GiB
+    each) and an E-long int64 at once in backward and did not fit a 16 GiB GPU at any width.
     """
 
     @staticmethod
@@ -336,20 +410,32 @@ class GatAttentionFunction(torch.autograd.Function):
         # PyG's alpha and message alpha * x_j promote (bf16 features, fp32 logits: fp32).
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
+        slope = float(negative_slope)
         chunk = edge_chunk_size(
             num_edges, heads, channels, x_src.dtype, chunk_bytes, x_src.shape[0]
         )
-        dst = csr_destinations(rowptr, num_edges)
-        logit = _gat_logits(a_src, a_dst, col, dst, acc)
-        alpha = _segment_softmax(F.leaky_relu(logit, negative_slope), dst, num_dst)
-        del logit
-        noise, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_src.device, perm)
-        beta = alpha if noise is None else alpha.mul_(noise)
-        del alpha, noise
-        out = _aggregate(x_src, beta, col, dst, num_dst, chunk)
+        # Edge-level (chunk x H) work runs on wide chunks, C times longer than the chunks of
+        # the chunk x H x C gathers, which slice them: few small kernels per gather chunk.
+        wide = _EdgeChunks(rowptr, col, chunk * channels)
+        m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
+        mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_src.device, perm)
+        out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_src.device)
+        for s, e, col_w, dst_w in wide:
+            beta = _chunk_alpha(a_src, a_dst, col_w, dst_w, m, total, slope, acc)
+            noise = _chunk_multiplier(mask, dropout, out_dtype, s, e)
+            if noise is not None:
+                beta = beta.mul_(noise)
+            del noise
+            for a in range(0, e - s, chunk):
+                b = min(a + chunk, e - s)
+                msg = x_src.index_select(0, col_w[a:b]).to(acc)
+                out.index_add_(0, dst_w[a:b], msg.mul_(beta[a:b].unsqueeze(-1)))
+                del msg
+            del beta
+        del mask, m, total
 
         ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, perm, state)
-        ctx.negative_slope = float(negative_slope)
+        ctx.negative_slope = slope
         ctx.dropout = float(dropout)
         ctx.chunk_bytes = int(chunk_bytes)
         return out.to(out_dtype)
@@ -359,52 +445,86 @@ class GatAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
+        need_logits = need_src or need_dst
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_src.shape[1:]
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
+        slope, p = ctx.negative_slope, ctx.dropout
         chunk = edge_chunk_size(
             num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes, x_src.shape[0]
         )
-        dst = csr_destinations(rowptr, num_edges)
-
-        # Recompute the edge stage (E x H, transient).
-        logit = _gat_logits(a_src, a_dst, col, dst, acc)
-        alpha = _segment_softmax(F.leaky_relu(logit, ctx.negative_slope), dst, num_dst)
-        noise, _ = _attention_dropout(
-            ctx.dropout, num_edges, heads, out_dtype, x_src.device, perm, state
-        )
-        beta = alpha if noise is None else alpha * noise
-
+        wide = _EdgeChunks(rowptr, col, chunk * channels)  # as in forward
+        m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
+        mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_src.device, perm, state)
         x_shape, x_dtype = x_src.shape, x_src.dtype
-        if is_lean() and need_x and (need_src or need_dst):
-            # Two passes over the edges: the (dequantized) features are released before their
-            # gradient exists, one N x H x C tensor less at the peak (the probe's partial
-            # backwards, `gact_graph.lean`); the user's backward keeps the one pass.
-            _, grad_beta = _aggregate_backward(x_src, beta, grad_out, col, dst, chunk, None)
-            del x_src
-            grad_x, _ = _aggregate_backward(None, beta, grad_out, col, dst, chunk, x_shape)
-        else:
-            need_beta = need_src or need_dst
-            grad_x, grad_beta = _aggregate_backward(
-                x_src if need_beta else None, beta, grad_out, col, dst, chunk,
-                x_shape if need_x else None,
-            )  # fmt: skip
-            del x_src
-        del beta
+
+        # Pass 1 over the edges (chunk x H x C): grad x_src[src] += beta * grad_out[dst] and
+        # grad alpha = <grad_out[dst], x_src[src]> * dropout multiplier, with the softmax
+        # backward's per-destination sum of alpha * grad alpha. Under lean_backward (the
+        # probe's partial backwards) the (dequantized) features are released before their
+        # gradient exists: grad alpha first, grad x_src in a second pass.
+        grad_alpha = dot = None
+        if need_logits:
+            grad_alpha = torch.empty(num_edges, heads, dtype=acc, device=grad_out.device)
+            dot = torch.zeros(num_dst, heads, dtype=acc, device=grad_out.device)
+        grad_x = None
+        split = is_lean() and need_x and need_logits
+        passes = [(True, False), (False, True)] if split else [(need_logits, need_x)]
+        for logits_now, x_now in passes:
+            if x_now:
+                grad_x = torch.zeros(x_shape, dtype=acc, device=grad_out.device)
+            for s, e, col_w, dst_w in wide:
+                alpha = _chunk_alpha(a_src, a_dst, col_w, dst_w, m, total, slope, acc)
+                noise = _chunk_multiplier(mask, p, out_dtype, s, e)
+                beta = None
+                if x_now:
+                    beta = alpha if noise is None else alpha * noise
+                for a in range(0, e - s, chunk):
+                    b = min(a + chunk, e - s)
+                    g = grad_out.index_select(0, dst_w[a:b]).to(acc)
+                    if logits_now:
+                        xs = x_src.index_select(0, col_w[a:b]).to(acc)
+                        torch.sum(xs.mul_(g), dim=-1, out=grad_alpha[s + a : s + b])
+                        del xs
+                    if x_now:
+                        grad_x.index_add_(0, col_w[a:b], g.mul_(beta[a:b].unsqueeze(-1)))
+                    del g
+                if logits_now:
+                    ga = grad_alpha[s:e]
+                    if noise is not None:
+                        ga.mul_(noise)
+                    dot.index_add_(0, dst_w, alpha * ga)
+                    del ga
+                del alpha, noise, beta
+            if logits_now and split:
+                del x_src
+        x_src = None
+        del mask
+
+        # Pass 2 (chunk x H): grad logit = (grad alpha - dot[dst]) * alpha * leaky_relu'.
         grad_a_src = grad_a_dst = None
-        if need_src or need_dst:
-            grad_alpha = grad_beta if noise is None else grad_beta.mul_(noise)
-            grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
-            del alpha, grad_alpha, grad_beta
-            _leaky_relu_backward_(grad_logit, logit, ctx.negative_slope)
+        if need_logits:
             if need_src:
                 grad_a_src = torch.zeros(a_src.shape, dtype=acc, device=a_src.device)
-                grad_a_src.index_add_(0, col, grad_logit)
-                grad_a_src = grad_a_src.to(a_src.dtype)
             if need_dst:
                 grad_a_dst = torch.zeros(a_dst.shape, dtype=acc, device=a_dst.device)
-                grad_a_dst.index_add_(0, dst, grad_logit)
+            for s, e, col_c, dst_c in wide:
+                alpha, logit = _chunk_alpha(
+                    a_src, a_dst, col_c, dst_c, m, total, slope, acc, keep_pre=True
+                )
+                gl = (grad_alpha[s:e] - dot.index_select(0, dst_c)).mul_(alpha)
+                _leaky_relu_backward_(gl, logit, slope)
+                del alpha, logit
+                if grad_a_src is not None:
+                    grad_a_src.index_add_(0, col_c, gl)
+                if grad_a_dst is not None:
+                    grad_a_dst.index_add_(0, dst_c, gl)
+                del gl
+            del grad_alpha, dot
+            if grad_a_src is not None:
+                grad_a_src = grad_a_src.to(a_src.dtype)
+            if grad_a_dst is not None:
                 grad_a_dst = grad_a_dst.to(a_dst.dtype)
         if grad_x is not None:
             grad_x = grad_x.to(x_dtype)
@@ -508,7 +628,9 @@ class GatV2AttentionFunction(torch.autograd.Function):
         alpha = _segment_softmax(logit, dst, num_dst)
         del logit
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
-        noise, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
+        mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
+        noise = _chunk_multiplier(mask, dropout, out_dtype, 0, num_edges)
+        del mask
         beta = alpha if noise is None else alpha.mul_(noise)
         del alpha, noise
         out = _aggregate(x_l, beta, col, dst, num_dst, chunk)
@@ -537,9 +659,11 @@ class GatV2AttentionFunction(torch.autograd.Function):
         alpha = _segment_softmax(logit, dst, num_dst)
         del logit
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
-        noise, _ = _attention_dropout(
+        mask, _ = _attention_dropout(
             ctx.dropout, num_edges, heads, out_dtype, x_l.device, perm, state
         )
+        noise = _chunk_multiplier(mask, ctx.dropout, out_dtype, 0, num_edges)
+        del mask
         beta = alpha if noise is None else alpha * noise
         grad_l, grad_beta = _aggregate_backward(
             x_l, beta, grad_out, col, dst, chunk, x_l.shape if need_l else None

@@ -4,6 +4,7 @@ no edge x feature tensor in forward or backward, and close gradients when quanti
 
 import contextlib
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -584,6 +585,63 @@ def test_no_edge_feature_tensor_in_forward_or_backward(conv_cls):
     # the E x H attention / int64 destinations (backward): 8x below E x H x C here.
     assert fused_fwd < edge_feature_bytes / 6, fused_fwd
     assert fused_bwd < edge_feature_bytes / 6, fused_bwd
+
+
+class _LivePeak(TorchDispatchMode):
+    """Peak bytes of the storages ATen ops create while active and that are still alive
+    (views of the storages of ``existing`` tensors, e.g. a slice of the CSR, are not new)."""
+
+    def __init__(self, *existing):
+        super().__init__()
+        self.live, self.bytes, self.peak = {}, 0, 0
+        self.old = {t.untyped_storage().data_ptr() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref() is None]:
+            self.bytes -= self.live.pop(key)[1]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key not in self.live and key not in self.old and st.nbytes():
+                    self.live[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+                    self.bytes += st.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_gat_attention_holds_one_edge_by_head_tensor(lean):
+    """GAT's edge stage makes every edge-level quantity a chunk at a time from node-level
+    ones: what it holds at once is the dropout draw (stock's fp32 noise for a moment, then a
+    bool keep-mask), in backward the coefficients' gradient (fp32, E x H) and chunks. It held about eight fp32 E x H tensors
+    and an int64 per edge before, and a GAT at ogbn-products' size did not fit 16 GiB."""
+    torch.manual_seed(3)
+    n, e, heads, channels = 2000, 100_000, 2, 8
+    rowptr, col = _csr(torch.randint(0, n, (e,)), torch.randint(0, n, (e,)), n)
+    x = torch.randn(n, heads, channels, requires_grad=True)
+    a_src = torch.randn(n, heads, requires_grad=True)
+    a_dst = torch.randn(n, heads, requires_grad=True)
+    chunk_bytes = 64 * 1024
+    edge_by_head = e * heads * 4
+    node = n * heads * channels * 4
+    inputs = (rowptr, col, x, a_src, a_dst)
+    with _LivePeak(*inputs) as fwd:
+        out = sgat.gat_attention(x, a_src, a_dst, rowptr, col, dropout=0.3,
+                                 chunk_bytes=chunk_bytes)  # fmt: skip
+    grad = torch.randn_like(out)
+    with contextlib.ExitStack() as stack:
+        if lean:
+            stack.enter_context(lean_backward())
+        with _LivePeak(*inputs, out, grad) as bwd:
+            out.backward(grad)
+    # the dropout draw: stock's fp32 E x H noise for a moment, then its bool mask; chunk
+    # temporaries: chunk x H x C (bounded by chunk_bytes, a few at once) and, in the softmax
+    # passes, chunk * C x H; node level: the output or x's gradient and N x H sums
+    chunks = 4 * chunk_bytes
+    assert fwd.peak <= 1.25 * edge_by_head + chunks + 2 * node, (fwd.peak, edge_by_head)
+    assert bwd.peak <= 1.25 * edge_by_head + chunks + 3 * node, (bwd.peak, edge_by_head)
 
 
 # ---------------------------------------------------------------------------- quantized
