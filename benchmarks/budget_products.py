@@ -29,6 +29,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -96,6 +97,10 @@ def attempt(graph, hidden: int, budget: int, steps: int, device: torch.device) -
     except torch.OutOfMemoryError as exc:
         out["outcome"] = "out of memory"
         out["error"] = str(exc)[:1000]
+        # where: the innermost frames of the project's code
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "gact_graph" in f.filename]
+        out["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:]]
+        print(f"  hidden {hidden}: out of memory at {' < '.join(reversed(out['where']))}")
         print(f"  hidden {hidden}: out of memory: {str(exc)[:300]}", flush=True)
     finally:
         ctl.remove()

@@ -358,7 +358,19 @@ def test_backward_inside_autocast_equals_outside(dtype, device):
                 assert torch.equal(g_in, g_out), name
                 continue
             # CUDA's atomic scatter-adds sum in any order: two backwards outside differ by
-            # rounding already. A bf16 matmul in backward would be off by ~1e-3 relative.
+            # rounding already, and where the fp32 sum lies near a rounding boundary of the
+            # input's dtype, its final cast flips by one unit in the last place (H200, bf16
+            # GATv2: one element 2^-10 apart, both runs outside equal). So each element may
+            # be one ulp of its dtype off, and few may be: a bf16 matmul in backward would
+            # move most elements, by ~1e-3 relative.
             spread = (g_out - g_again).abs().max().item()
             scale = g_out.abs().max().item()
-            assert (g_in - g_out).abs().max().item() <= max(4 * spread, 1e-5 * scale), name
+            diff = (g_in - g_out).float().abs()
+            ulp = g_out.float().abs() * torch.finfo(t.dtype).eps  # spacing at |x| <= eps |x|
+            assert (diff <= max(4 * spread, 1e-5 * scale) + ulp).all(), name
+            if t.dtype in (torch.bfloat16, torch.float16):
+                # flips happen as often as the two runs outside differ (H200: GATv2's bf16 x_l
+                # 2-4 % of elements, one element in another run), not on most elements
+                flipped = ((g_in != g_out) & (g_out == g_again)).float().mean().item()
+                apart = (g_out != g_again).float().mean().item()
+                assert flipped <= 2 * apart + 0.01, (name, flipped, apart)
