@@ -14,8 +14,11 @@ the weighted aggregation) is one `torch.autograd.Function` that saves
 - for attention dropout: the state of the default generator before the draw (a few KiB),
   from which backward regenerates the mask.
 
-Backward recomputes the edge logits, the softmax and the dropout mask (E x H, transient), and
-runs the gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists: each
+Backward recomputes the edge logits, the softmax and the dropout mask, and runs the
+gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists. GAT makes its
+edge-level (E x H) quantities a chunk at a time too, from the softmax's per-destination max and
+sum, so it holds no E x H tensor but the dropout's bool keep-mask and, in backward, the
+coefficients' gradient (GATv2 still holds its E x H logits and coefficients whole). Each
 chunk's temporaries (at most three chunk x H x C tensors alive at once) total at most
 ``chunk_bytes`` (64 MiB by default) and at most a quarter of one N x H x C tensor (not below
 4 MiB).
