@@ -500,11 +500,14 @@ def _from_edge_list(
     num_nodes: int,
     external: bool,
     keep_perm: bool,
+    replace_loops: bool = False,
 ) -> CompactAdjacency:
+    """CSR of an edge list; ``replace_loops``: PyG's ``remove_self_loops`` then
+    ``add_self_loops`` (GAT's), done on the sort keys rather than on edge-list copies."""
     edge_index = _plain(edge_index)
     if edge_index.dim() != 2 or edge_index.size(0) != 2:
         raise ValueError(f"edge_index must be [2, E], got {tuple(edge_index.shape)}")
-    src, dst = edge_index[0].long(), edge_index[1].long()
+    src, dst = edge_index[0], edge_index[1]
     if src.numel():
         lo = torch.minimum(src.min(), dst.min()).item()
         hi = torch.maximum(src.max(), dst.max()).item()
@@ -513,26 +516,37 @@ def _from_edge_list(
                 f"edge_index holds node {lo if lo < 0 else hi}, outside [0, {num_nodes})"
             )
     # Sorted by (destination, source): rows in CSR order with their columns ascending, so an
-    # undirected graph's CSR equals its transpose's and the transpose costs nothing.
-    key = dst * num_nodes + src
-    if src.numel() < 2 or bool((key[1:] >= key[:-1]).all()):
-        perm = None
-        col = src
-        weight = edge_weight
+    # undirected graph's CSR equals its transpose's and the transpose costs nothing. The key
+    # dst * N + src is the only E-long int64 made from the edge list (a graph of
+    # ogbn-products' size has 126 M edges: 0.94 GiB each), and rows and columns are read back
+    # from the sorted keys, so the build holds about three such vectors at its peak (the
+    # key, the sorted keys and their permutation; six before, with GAT's self-loop copies).
+    if replace_loops:
+        keep = src != dst
+        kept = int(keep.sum())
+        key = torch.empty(kept + num_nodes, dtype=torch.int64, device=src.device)
+        torch.mul(dst[keep], num_nodes, out=key[:kept])
+        key[:kept].add_(src[keep])
+        del keep
+        # PyG appends one loop per node after the remaining edges: key i * N + i
+        torch.arange(num_nodes, out=key[kept:]).mul_(num_nodes + 1)
     else:
-        perm = torch.argsort(key, stable=True)
-        dst = dst[perm]
-        col = src[perm]
-        weight = None if edge_weight is None else edge_weight[perm]
-    del key
+        key = dst.to(torch.int64, copy=True).mul_(num_nodes).add_(src)
+    del src, dst
+    perm = None
+    if key.numel() >= 2 and not bool((key[1:] >= key[:-1]).all()):
+        key, perm = torch.sort(key, stable=True)
+    weight = edge_weight
+    if weight is not None:
+        # Copies: we own our data, so an in-place change of the caller's never reaches us.
+        weight = weight.detach().clone() if perm is None else weight.detach()[perm]
     if not keep_perm:
         perm = None
-    counts = torch.bincount(dst, minlength=num_nodes)
-    rowptr = _rowptr_from_sorted_counts(counts, num_nodes)
-    # Copies: we own our data, so an in-place change of the caller's tensors never reaches us.
-    col = col.to(_index_dtype(num_nodes), copy=True)
-    if weight is not None:
-        weight = weight.detach().clone()
+    bounds = torch.arange(num_nodes + 1, dtype=torch.int64, device=key.device).mul_(num_nodes)
+    rowptr = torch.searchsorted(key, bounds)  # row i starts at the first key >= i * N
+    del bounds
+    col = key.remainder_(num_nodes).to(_index_dtype(num_nodes))
+    del key
     return CompactAdjacency(
         num_nodes, rowptr, col, None if external else weight, perm, weight_is_external=external
     )
@@ -588,9 +602,15 @@ def _build(
                 loop_mode, dtype,
             )  # fmt: skip
             return _from_torch_csr(csr, num_nodes)
+        weight = None if external else edge_weight
+        if add_self_loops and loop_mode == "replace" and not normalize and weight is None:
+            # GAT's loops, on the sort keys: no copies of the edge list (see _from_edge_list)
+            return _from_edge_list(
+                graph, None, num_nodes, external, keep_perm or external, replace_loops=True
+            )
         ei, w = pyg_edge_list(
-            graph, None if external else edge_weight, num_nodes, add_self_loops, normalize,
-            improved, fill_value, loop_mode, dtype,
+            graph, weight, num_nodes, add_self_loops, normalize, improved, fill_value,
+            loop_mode, dtype,
         )  # fmt: skip
         return _from_edge_list(ei, w, num_nodes, external, keep_perm or external)
 
