@@ -97,6 +97,7 @@ def attempt(graph, hidden: int, budget: int, steps: int, device: torch.device) -
     except torch.OutOfMemoryError as exc:
         out["outcome"] = "out of memory"
         out["error"] = str(exc)[:1000]
+        out["note"] = "\n".join(getattr(exc, "__notes__", []))  # the planner's, if any
         # where: the innermost frames of the project's code
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "gact_graph" in f.filename]
         out["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:]]

@@ -410,8 +410,10 @@ class BudgetPlanner:
         if self._phase is None or is_lean():
             return
         if output is None:  # the forward raised (``always_call``): no step to measure
-            self._phase = None
+            phase, self._phase = self._phase, None
             self._end_live()
+            if phase == "profile":
+                self._explain_out_of_memory(sys.exc_info()[1])
             return
         if self._forward is not None:
             return
@@ -419,6 +421,28 @@ class BudgetPlanner:
         self._forward = {"tensors": stats["tensors"], "stored": stats["total"]["stored_bytes"]}
         if self._phase == "profile" and output is not None:
             self._check_lower_bound()
+
+    def _explain_out_of_memory(self, exc: BaseException | None) -> None:
+        """A profile step's forward that runs out of device memory never reaches the lower
+        bound's check: the out-of-memory error (which a forward hook cannot replace) gets a
+        note that names the budget and what the step held when it failed (an ogbn-products-
+        size GAT at 64 per head failed so while building its adjacency, H200, 16 GiB)."""
+        if not isinstance(exc, torch.OutOfMemoryError) or not hasattr(exc, "add_note"):
+            return
+        held = self._meter.peak() if self._meter is not None else None
+        at = "" if held is None else f" with {format_bytes(held)} allocated"
+        exc.add_note(
+            f"gact_graph: memory_budget={format_bytes(self.budget)}: the profile step (the "
+            f"first with this input shape: every saved tensor at 1 bit, {self._what()}) ran "
+            f"out of device memory in its forward{at}, before any plan could be chosen. "
+            + (
+                ""
+                if self._recomputing or not self.segments
+                else "budget_recompute=True profiles with every segment recomputed, which "
+                "holds less in forward; or "
+            )
+            + "give it more memory, or a smaller model or graph (mini-batches)"
+        )
 
     def _records(self) -> list[TensorInfo]:
         out = []

@@ -150,6 +150,37 @@ def test_a_failing_profile_forward_leaves_no_mode_behind():
     assert not any("forward" in m.__dict__ for m in model.modules())  # every patch undone
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_a_profile_forward_out_of_device_memory_says_what_the_budget_met():
+    """Where the profile step's forward runs out of device memory (before the lower bound's
+    check: an ogbn-products-size GAT building its adjacency), the error a forward hook cannot
+    replace gets a note naming the budget and the step; planned steps' errors get none."""
+    model = _model()
+    x, ei, y = _graph(600)
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    calls = {"n": 0}
+
+    def oom(module, args):
+        calls["n"] += 1
+        if calls["n"] in (1, 3):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.91 GiB.")
+
+    handle = model.convs[1].register_forward_pre_hook(oom)
+    with pytest.raises(torch.OutOfMemoryError) as first:
+        model(x, ei)
+    note = "\n".join(getattr(first.value, "__notes__", []))
+    assert "memory_budget=1.00 GiB" in note and "profile step" in note, note
+    assert _get_current_dispatch_mode_stack() == []
+    _train(model, ctl, (x, ei, y), 1)  # profiles (call 2) and plans
+    assert ctl.budget.plan_state is not None
+    with pytest.raises(torch.OutOfMemoryError) as planned:  # a planned step (call 3)
+        model(x, ei)
+    assert not getattr(planned.value, "__notes__", [])
+    handle.remove()
+    _train(model, ctl, (x, ei, y), 1)
+    ctl.remove()
+
+
 def _refused(budget: int, steps: int = 2) -> tuple[BudgetError, BudgetPlanner]:
     model = _model()
     ctl = compress_gnn(model, memory_budget=budget)
