@@ -18,7 +18,8 @@ Backward recomputes the edge logits, the softmax and the dropout mask, and runs 
 gather-multiply-scatter in chunks of edges, so no E x H x C tensor ever exists. GAT makes its
 edge-level (E x H) quantities a chunk at a time too, from the softmax's per-destination max and
 sum, so it holds no E x H tensor but the dropout's bool keep-mask and, in backward, the
-coefficients' gradient (GATv2 still holds its E x H logits and coefficients whole). Each
+coefficients' gradient. GATv2, whose logits each cost a gather, keeps its E x H logits whole
+and makes the rest a chunk at a time. Each
 chunk's temporaries (at most three chunk x H x C tensors alive at once) total at most
 ``chunk_bytes`` (64 MiB by default) and at most a quarter of one N x H x C tensor (not below
 4 MiB).
@@ -225,22 +226,6 @@ def _chunk_multiplier(mask: Tensor | None, p: float, dtype: torch.dtype, s: int,
     return _multiplier(mask[s:e], p, dtype)
 
 
-def _segment_softmax(logit: Tensor, dst: Tensor, num_dst: int) -> Tensor:
-    """PyG's `softmax(src, index)` (same formula: max shift, +1e-16 in the denominator)."""
-    idx = dst.unsqueeze(-1).expand_as(logit)
-    m = logit.new_zeros(num_dst, logit.size(1))
-    m.scatter_reduce_(0, idx, logit, reduce="amax", include_self=False)
-    ex = (logit - m.index_select(0, dst)).exp_()
-    del m
-    s = logit.new_zeros(num_dst, logit.size(1)).index_add_(0, dst, ex).add_(1e-16)
-    return ex.div_(s.index_select(0, dst))
-
-
-def _softmax_backward(alpha: Tensor, grad_alpha: Tensor, dst: Tensor, num_dst: int) -> Tensor:
-    dot = alpha.new_zeros(num_dst, alpha.size(1)).index_add_(0, dst, alpha * grad_alpha)
-    return (grad_alpha - dot.index_select(0, dst)).mul_(alpha)
-
-
 def _leaky_relu_backward_(grad: Tensor, pre: Tensor, negative_slope: float) -> Tensor:
     """In place: grad * (pre > 0 ? 1 : slope), exactly as ATen's leaky_relu_backward."""
     return grad.mul_(_leaky_relu_slope(pre, negative_slope, grad.dtype))
@@ -251,59 +236,6 @@ def _leaky_relu_slope(pre: Tensor, negative_slope: float, dtype: torch.dtype) ->
     return torch.full(pre.shape, negative_slope, dtype=dtype, device=pre.device).masked_fill_(
         pre > 0, 1.0
     )
-
-
-def _aggregate(
-    x_src: Tensor, beta: Tensor, col: Tensor, dst: Tensor, num_dst: int, chunk: int
-) -> Tensor:
-    """out[d] = sum over edges e into d of beta[e] * x_src[col[e]], in edge chunks."""
-    _, heads, channels = x_src.shape
-    acc = _acc_dtype(x_src.dtype)
-    out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_src.device)
-    beta = beta.to(acc)
-    for s in range(0, col.numel(), chunk):
-        e = min(s + chunk, col.numel())
-        msg = x_src.index_select(0, col[s:e]).to(acc)
-        msg.mul_(beta[s:e].unsqueeze(-1))
-        out.index_add_(0, dst[s:e], msg)
-        del msg
-    return out
-
-
-def _aggregate_backward(
-    x_src: Tensor | None,
-    beta: Tensor,
-    grad_out: Tensor,
-    col: Tensor,
-    dst: Tensor,
-    chunk: int,
-    x_shape: tuple[int, ...] | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """(grad x_src, grad beta) of `_aggregate`, two chunk tensors alive at a time: grad beta
-    when ``x_src`` is given, grad x_src (of shape ``x_shape``) when ``x_shape`` is; one pass
-    over the edges for both."""
-    num_edges = col.numel()
-    acc = _acc_dtype(grad_out.dtype)
-    grad_beta = None
-    if x_src is not None:
-        grad_beta = torch.empty(num_edges, x_src.shape[1], dtype=acc, device=grad_out.device)
-    grad_x = None
-    if x_shape is not None:
-        grad_x = torch.zeros(x_shape, dtype=acc, device=grad_out.device)
-    beta = beta.to(acc)
-    for s in range(0, num_edges, chunk):
-        e = min(s + chunk, num_edges)
-        g = grad_out.index_select(0, dst[s:e]).to(acc)
-        if grad_beta is not None:
-            # grad beta[e] = <grad_out[dst_e], x_src[src_e]> (per head) ...
-            xs = x_src.index_select(0, col[s:e]).to(acc)
-            torch.sum(xs.mul_(g), dim=-1, out=grad_beta[s:e])
-            del xs
-        # ... and grad x_src[src_e] += beta[e] * grad_out[dst_e].
-        if grad_x is not None:
-            grad_x.index_add_(0, col[s:e], g.mul_(beta[s:e].unsqueeze(-1)))
-        del g
-    return grad_x, grad_beta
 
 
 def _check_common(x: Tensor, rowptr: Tensor, col: Tensor, p: float, perm: Tensor | None) -> None:
@@ -359,21 +291,28 @@ class _EdgeChunks:
         return marks.cumsum_(0).add_(r0)
 
 
-def _softmax_stats(a_src, a_dst, chunks: _EdgeChunks, num_dst: int, slope: float, acc):
-    """Per destination and head, the max of the leaky-ReLU'd edge logits and the sum of their
-    shifted exponentials (PyG's `softmax`: max shift, +1e-16), edge chunk by edge chunk: no
-    E x H tensor. Same values as `_segment_softmax` (max is exact; the sums run in the same
-    edge order)."""
-    heads = a_src.shape[1]
-    m = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=a_src.device)
-    for _, _, col, dst in chunks:
-        pre = F.leaky_relu(_gat_logits(a_src, a_dst, col, dst, acc), slope)
+def _segment_stats(scores, chunks: _EdgeChunks, num_dst: int, heads: int, acc, device):
+    """Per destination and head, the max of the edge scores and the sum of their shifted
+    exponentials (PyG's `softmax`: max shift, +1e-16), edge chunk by edge chunk: no E x H
+    tensor. ``scores(s, e, col, dst)``: a fresh tensor of chunk ``s:e``'s scores. Same values
+    as PyG's one pass over all edges (the max is exact; the sums run in the same edge
+    order)."""
+    m = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=device)
+    for s, e, col, dst in chunks:
+        pre = scores(s, e, col, dst)
         m.scatter_reduce_(0, dst.unsqueeze(-1).expand_as(pre), pre, reduce="amax")
-    total = torch.zeros(num_dst, heads, dtype=acc, device=a_src.device)
-    for _, _, col, dst in chunks:
-        pre = F.leaky_relu(_gat_logits(a_src, a_dst, col, dst, acc), slope)
-        total.index_add_(0, dst, pre.sub_(m.index_select(0, dst)).exp_())
+    total = torch.zeros(num_dst, heads, dtype=acc, device=device)
+    for s, e, col, dst in chunks:
+        total.index_add_(0, dst, scores(s, e, col, dst).sub_(m.index_select(0, dst)).exp_())
     return m, total.add_(1e-16)
+
+
+def _softmax_stats(a_src, a_dst, chunks: _EdgeChunks, num_dst: int, slope: float, acc):
+    """`_segment_stats` of GAT's leaky-ReLU'd logits, made from the node logits per chunk."""
+    return _segment_stats(
+        lambda s, e, col, dst: F.leaky_relu(_gat_logits(a_src, a_dst, col, dst, acc), slope),
+        chunks, num_dst, a_src.shape[1], acc, a_src.device,
+    )  # fmt: skip
 
 
 def _chunk_alpha(a_src, a_dst, col, dst, m, total, slope: float, acc, keep_pre: bool = False):
@@ -590,23 +529,24 @@ def _gatv2_logits(
     x_l: Tensor,
     x_r: Tensor,
     att: Tensor,
-    col: Tensor,
-    dst: Tensor,
+    chunks: _EdgeChunks,
     negative_slope: float,
     chunk: int,
 ) -> Tensor:
-    """logit[e] = <att, leaky_relu(x_l[src_e] + x_r[dst_e])> per head, in edge chunks."""
+    """logit[e] = <att, leaky_relu(x_l[src_e] + x_r[dst_e])> per head (E x H), gathered in
+    chunks of ``chunk`` edges inside each of ``chunks``."""
     acc = _acc_dtype(x_l.dtype)
     heads, channels = x_l.shape[1:]
     att = att.reshape(1, heads, channels).to(acc)
-    logit = torch.empty(col.numel(), heads, dtype=acc, device=x_l.device)
-    for s in range(0, col.numel(), chunk):
-        e = min(s + chunk, col.numel())
-        z = x_r.index_select(0, dst[s:e]).to(acc)
-        z.add_(x_l.index_select(0, col[s:e]))
-        F.leaky_relu(z, negative_slope, inplace=True)
-        torch.sum(z.mul_(att), dim=-1, out=logit[s:e])
-        del z
+    logit = torch.empty(chunks.num_edges, heads, dtype=acc, device=x_l.device)
+    for s, e, col_w, dst_w in chunks:
+        for a in range(0, e - s, chunk):
+            b = min(a + chunk, e - s)
+            z = x_r.index_select(0, dst_w[a:b]).to(acc)
+            z.add_(x_l.index_select(0, col_w[a:b]))
+            F.leaky_relu(z, negative_slope, inplace=True)
+            torch.sum(z.mul_(att), dim=-1, out=logit[s + a : s + b])
+            del z
     return logit
 
 
@@ -618,6 +558,13 @@ class GatV2AttentionFunction(torch.autograd.Function):
     ``dropout`` and ``perm`` as in `GatAttentionFunction`. Returns ``out[i] = sum_j
     dropout(softmax_j(<att, leaky_relu(x_l[j] + x_r[i])>)) * x_l[j]``. Saves ``x_l``, ``x_r``,
     ``att``, ``rowptr``, ``col``, ``perm`` and the generator state of the draw.
+
+    The logits cost a chunk x H x C gather each, so they are made once per pass and kept
+    whole (E x H); the softmax's per-destination max and sum, the coefficients and (in
+    backward) the logits' gradient are made a chunk at a time as in `GatAttentionFunction`.
+    What it holds at once: the logits, the dropout's bool keep-mask and, in backward, one more
+    E x H tensor (the coefficients' gradient, then the logits' in its place); about eight fp32
+    E x H tensors and an E-long int64 before.
     """
 
     @staticmethod
@@ -625,18 +572,29 @@ class GatV2AttentionFunction(torch.autograd.Function):
         _check_common(x_l, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_l.shape[1:]
+        acc = _acc_dtype(x_l.dtype)
         chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes, x_l.shape[0])
-        dst = csr_destinations(rowptr, num_edges)
-        logit = _gatv2_logits(x_l, x_r, att, col, dst, negative_slope, chunk)
-        alpha = _segment_softmax(logit, dst, num_dst)
-        del logit
+        wide = _EdgeChunks(rowptr, col, chunk * channels)  # see GatAttentionFunction
+        logit = _gatv2_logits(x_l, x_r, att, wide, negative_slope, chunk)
+        m, total = _segment_stats(
+            _kept(logit), wide, num_dst, heads, acc, x_l.device
+        )
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
-        noise = _chunk_multiplier(mask, dropout, out_dtype, 0, num_edges)
-        del mask
-        beta = alpha if noise is None else alpha.mul_(noise)
-        del alpha, noise
-        out = _aggregate(x_l, beta, col, dst, num_dst, chunk)
+        out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_l.device)
+        for s, e, col_w, dst_w in wide:
+            beta = _chunk_softmax(logit, s, e, dst_w, m, total)
+            noise = _chunk_multiplier(mask, dropout, out_dtype, s, e)
+            if noise is not None:
+                beta = beta.mul_(noise)
+            del noise
+            for a in range(0, e - s, chunk):
+                b = min(a + chunk, e - s)
+                msg = x_l.index_select(0, col_w[a:b]).to(acc)
+                out.index_add_(0, dst_w[a:b], msg.mul_(beta[a:b].unsqueeze(-1)))
+                del msg
+            del beta
+        del mask, logit, m, total
 
         ctx.save_for_backward(x_l, x_r, att, rowptr, col, perm, state)
         ctx.negative_slope = float(negative_slope)
@@ -652,56 +610,81 @@ class GatV2AttentionFunction(torch.autograd.Function):
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = x_l.shape[1:]
         acc = _acc_dtype(x_l.dtype)
-        slope = ctx.negative_slope
+        slope, p = ctx.negative_slope, ctx.dropout
         chunk = edge_chunk_size(
             num_edges, heads, channels, x_l.dtype, ctx.chunk_bytes, x_l.shape[0]
         )
-        dst = csr_destinations(rowptr, num_edges)
-
-        logit = _gatv2_logits(x_l, x_r, att, col, dst, slope, chunk)
-        alpha = _segment_softmax(logit, dst, num_dst)
-        del logit
+        wide = _EdgeChunks(rowptr, col, chunk * channels)
+        logit = _gatv2_logits(x_l, x_r, att, wide, slope, chunk)
+        m, total = _segment_stats(
+            _kept(logit), wide, num_dst, heads, acc, x_l.device
+        )
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
-        mask, _ = _attention_dropout(
-            ctx.dropout, num_edges, heads, out_dtype, x_l.device, perm, state
-        )
-        noise = _chunk_multiplier(mask, ctx.dropout, out_dtype, 0, num_edges)
-        del mask
-        beta = alpha if noise is None else alpha * noise
-        grad_l, grad_beta = _aggregate_backward(
-            x_l, beta, grad_out, col, dst, chunk, x_l.shape if need_l else None
-        )
-        del beta
-        grad_r = grad_att = None
-        if need_l or need_r or need_att:
-            grad_alpha = grad_beta if noise is None else grad_beta.mul_(noise)
-            grad_logit = _softmax_backward(alpha, grad_alpha, dst, num_dst)
-            del alpha, grad_alpha, grad_beta
-            att_acc = att.reshape(1, heads, channels).to(acc)
-            if need_r:
-                grad_r = torch.zeros(x_r.shape, dtype=acc, device=x_r.device)
-            if need_att:
-                grad_att = torch.zeros(heads, channels, dtype=acc, device=att.device)
-            for s in range(0, num_edges, chunk):
-                e = min(s + chunk, num_edges)
-                z = x_r.index_select(0, dst[s:e]).to(acc)
-                z.add_(x_l.index_select(0, col[s:e]))
-                gl = grad_logit[s:e]
-                if need_att:
-                    # grad att[h, c] += sum_e grad_logit[e, h] * leaky_relu(z)[e, h, c]; a
-                    # backward() inside autocast would run this bmm in bf16/fp16 (amp.py)
-                    with autocast_off(z.device):
-                        grad_att += torch.einsum("eh,ehc->hc", gl, F.leaky_relu(z, slope))
-                # grad z = grad_logit * att * leaky_relu'(z), reusing z's buffer.
-                slope_of_z = _leaky_relu_slope(z, slope, acc)
-                torch.mul(gl.unsqueeze(-1), att_acc, out=z)
-                z.mul_(slope_of_z)
-                del slope_of_z
+        mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_l.device, perm, state)
+
+        # Pass 1 (chunk x H x C): grad x_l[src] += beta * grad_out[dst] (the message) and
+        # grad alpha = <grad_out[dst], x_l[src]> * dropout multiplier, with the softmax
+        # backward's per-destination sum of alpha * grad alpha.
+        grad_l = torch.zeros(x_l.shape, dtype=acc, device=x_l.device) if need_l else None
+        grad_s = torch.empty(num_edges, heads, dtype=acc, device=x_l.device)
+        dot = torch.zeros(num_dst, heads, dtype=acc, device=x_l.device)
+        for s, e, col_w, dst_w in wide:
+            alpha = _chunk_softmax(logit, s, e, dst_w, m, total)
+            noise = _chunk_multiplier(mask, p, out_dtype, s, e)
+            beta = alpha if noise is None else alpha * noise
+            for a in range(0, e - s, chunk):
+                b = min(a + chunk, e - s)
+                g = grad_out.index_select(0, dst_w[a:b]).to(acc)
+                xs = x_l.index_select(0, col_w[a:b]).to(acc)
+                torch.sum(xs.mul_(g), dim=-1, out=grad_s[s + a : s + b])
+                del xs
                 if grad_l is not None:
-                    grad_l.index_add_(0, col[s:e], z)
-                if grad_r is not None:
-                    grad_r.index_add_(0, dst[s:e], z)
-                del z
+                    grad_l.index_add_(0, col_w[a:b], g.mul_(beta[a:b].unsqueeze(-1)))
+                del g
+            ga = grad_s[s:e]
+            if noise is not None:
+                ga.mul_(noise)
+            dot.index_add_(0, dst_w, alpha * ga)
+            del alpha, noise, beta, ga
+        del mask
+        # Pass 2 (chunk x H): grad logit = (grad alpha - dot[dst]) * alpha, in grad_s's place.
+        for s, e, _, dst_w in wide:
+            alpha = _chunk_softmax(logit, s, e, dst_w, m, total)
+            grad_s[s:e].sub_(dot.index_select(0, dst_w)).mul_(alpha)
+            del alpha
+        del logit, dot, m, total
+        grad_logit = grad_s
+
+        # Pass 3 (chunk x H x C): through <att, leaky_relu(x_l[src] + x_r[dst])>.
+        grad_r = grad_att = None
+        att_acc = att.reshape(1, heads, channels).to(acc)
+        if need_r:
+            grad_r = torch.zeros(x_r.shape, dtype=acc, device=x_r.device)
+        if need_att:
+            grad_att = torch.zeros(heads, channels, dtype=acc, device=att.device)
+        if need_l or need_r or need_att:
+            for s, e, col_w, dst_w in wide:
+                for a in range(0, e - s, chunk):
+                    b = min(a + chunk, e - s)
+                    z = x_r.index_select(0, dst_w[a:b]).to(acc)
+                    z.add_(x_l.index_select(0, col_w[a:b]))
+                    gl = grad_logit[s + a : s + b]
+                    if need_att:
+                        # grad att[h, c] += sum_e grad_logit[e, h] * leaky_relu(z)[e, h, c]; a
+                        # backward() inside autocast would run this bmm in bf16/fp16 (amp.py)
+                        with autocast_off(z.device):
+                            grad_att += torch.einsum("eh,ehc->hc", gl, F.leaky_relu(z, slope))
+                    # grad z = grad_logit * att * leaky_relu'(z), reusing z's buffer.
+                    slope_of_z = _leaky_relu_slope(z, slope, acc)
+                    torch.mul(gl.unsqueeze(-1), att_acc, out=z)
+                    z.mul_(slope_of_z)
+                    del slope_of_z
+                    if grad_l is not None:
+                        grad_l.index_add_(0, col_w[a:b], z)
+                    if grad_r is not None:
+                        grad_r.index_add_(0, dst_w[a:b], z)
+                    del z
+        del grad_logit, grad_s
         if grad_l is not None:
             grad_l = grad_l.to(x_l.dtype)
         if grad_r is not None:
@@ -709,6 +692,16 @@ class GatV2AttentionFunction(torch.autograd.Function):
         if grad_att is not None:
             grad_att = grad_att.reshape(att.shape).to(att.dtype)
         return grad_l, grad_r, grad_att, None, None, None, None, None, None
+
+
+def _kept(scores: Tensor):
+    """`_segment_stats`'s ``scores`` for scores kept whole: a copy of each chunk's rows."""
+    return lambda s, e, col, dst: scores[s:e].clone()
+
+
+def _chunk_softmax(scores: Tensor, s: int, e: int, dst: Tensor, m: Tensor, total: Tensor):
+    """Softmax coefficients of edges ``s:e`` from their kept scores and `_segment_stats`."""
+    return (scores[s:e] - m.index_select(0, dst)).exp_().div_(total.index_select(0, dst))
 
 
 def gatv2_attention(

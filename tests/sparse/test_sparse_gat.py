@@ -612,6 +612,35 @@ class _LivePeak(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("lean", [False, True])
+def test_gatv2_attention_holds_its_logits_and_one_more_edge_by_head_tensor(lean):
+    """GATv2's logits cost a gather each: they are kept whole (E x H) and the rest made a chunk
+    at a time. At once: the logits, the dropout draw (fp32 for a moment, then a bool mask), in
+    backward one more E x H tensor. About eight E x H and an E-long int64 before."""
+    torch.manual_seed(4)
+    n, e, heads, channels = 2000, 100_000, 2, 8
+    rowptr, col = _csr(torch.randint(0, n, (e,)), torch.randint(0, n, (e,)), n)
+    x_l = torch.randn(n, heads, channels, requires_grad=True)
+    x_r = torch.randn(n, heads, channels, requires_grad=True)
+    att = torch.randn(1, heads, channels, requires_grad=True)
+    chunk_bytes = 64 * 1024
+    edge_by_head = e * heads * 4
+    node = n * heads * channels * 4
+    inputs = (rowptr, col, x_l, x_r, att)
+    with _LivePeak(*inputs) as fwd:
+        out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, dropout=0.3,
+                                   chunk_bytes=chunk_bytes)  # fmt: skip
+    grad = torch.randn_like(out)
+    with contextlib.ExitStack() as stack:
+        if lean:
+            stack.enter_context(lean_backward())
+        with _LivePeak(*inputs, out, grad) as bwd:
+            out.backward(grad)
+    chunks = 4 * chunk_bytes
+    assert fwd.peak <= 2.25 * edge_by_head + chunks + 2 * node, (fwd.peak, edge_by_head)
+    assert bwd.peak <= 2.5 * edge_by_head + chunks + 4 * node, (bwd.peak, edge_by_head)
+
+
+@pytest.mark.parametrize("lean", [False, True])
 def test_gat_attention_holds_one_edge_by_head_tensor(lean):
     """GAT's edge stage makes every edge-level quantity a chunk at a time from node-level
     ones: what it holds at once is the dropout draw (stock's fp32 noise for a moment, then a
