@@ -75,8 +75,9 @@ class CompactAdjacency:
         col: source node of every edge in CSR order; int32 when N < 2**31, else int64.
         weight: float [E] in CSR order, or None (every edge weighs 1; or, with
             ``weight_is_external``, the caller supplies a differentiable weight per call).
-        perm: int64 [E]: CSR position -> position in the edge list that PyG itself would use
-            (the input ``edge_index`` after its self-loop handling); None when that is the
+        perm: int32 [E] (int64 past 2**31 - 1 edges): CSR position -> position in the edge
+            list that PyG itself would use (the input ``edge_index`` after its self-loop
+            handling); None when that is the
             identity (input already sorted, or a torch.sparse input) or when it was not asked
             for (``get_adjacency(..., keep_perm=True)``; learnable weights always keep it).
             CSR order is by (destination, source), stable among duplicates.
@@ -103,8 +104,10 @@ class CompactAdjacency:
             raise ValueError("col must be a 1-D int32/int64 tensor")
         if weight is not None and (weight.shape != col.shape or not weight.is_floating_point()):
             raise ValueError("weight must be a float tensor shaped like col")
-        if perm is not None and (perm.shape != col.shape or perm.dtype != torch.int64):
-            raise ValueError("perm must be int64 shaped like col")
+        if perm is not None and (
+            perm.shape != col.shape or perm.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError("perm must be an int32/int64 tensor shaped like col")
         self.num_nodes = int(num_nodes)
         self.rowptr = rowptr
         self.col = col
@@ -205,7 +208,7 @@ class CompactAdjacency:
                 self._symmetric = True
                 self._symmetric_identity = identity
                 return self
-            keep = t_perm if wants_perm else None
+            keep = t_perm.to(_index_dtype(t_perm.numel())) if wants_perm else None
             self._transpose = CompactAdjacency(n, t_rowptr, t_col, t_weight, keep)
             del t_perm
             ctl = self._ctl_ref() if self._ctl_ref is not None else None
@@ -542,6 +545,8 @@ def _from_edge_list(
         weight = weight.detach().clone() if perm is None else weight.detach()[perm]
     if not keep_perm:
         perm = None
+    elif perm is not None:  # positions, kept for every step: int32 where they fit (GAT's dropout)
+        perm = perm.to(_index_dtype(perm.numel()))
     bounds = torch.arange(num_nodes + 1, dtype=torch.int64, device=key.device).mul_(num_nodes)
     rowptr = torch.searchsorted(key, bounds)  # row i starts at the first key >= i * N
     del bounds
@@ -657,7 +662,7 @@ def get_adjacency(
         dtype: dtype of the normalized weights (the features' dtype, as PyG passes it).
         use_values: False drops a sparse matrix's values (SAGE/GIN with ``SparseTensor``).
         keep_perm: keep ``perm`` (CSR position -> PyG edge position); it is kept anyway with
-            learnable weights. Without it ``perm`` is None (it costs 8 bytes per edge).
+            learnable weights. Without it ``perm`` is None (it costs 4 bytes per edge).
 
     Returns:
         The same `CompactAdjacency` object for every call on the same graph and options.

@@ -95,6 +95,7 @@ def test_replaced_loops_without_weights_match_pyg_edge_order(index_dtype):
         None, ei.to(index_dtype), n, add_self_loops=True, loop_mode="replace", keep_perm=True
     )
     assert adj.weight is None and adj.num_edges == ref_ei.size(1)
+    assert adj.perm.dtype == torch.int32  # kept for every step: 4 bytes per edge, not 8
     assert torch.equal(adj.edge_index(), ref_ei[:, adj.perm])
     assert torch.equal(adj.perm, torch.argsort(ref_ei[1] * n + ref_ei[0], stable=True))
     assert torch.equal(_dense(adj), _dense_from_edges(ref_ei, None, n))
