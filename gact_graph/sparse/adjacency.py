@@ -504,9 +504,13 @@ def _from_edge_list(
     external: bool,
     keep_perm: bool,
     replace_loops: bool = False,
+    gcn: tuple[bool, bool, torch.dtype | None] | None = None,
 ) -> CompactAdjacency:
-    """CSR of an edge list; ``replace_loops``: PyG's ``remove_self_loops`` then
-    ``add_self_loops`` (GAT's), done on the sort keys rather than on edge-list copies."""
+    """CSR of an edge list. ``replace_loops``: every self-loop removed and one per node
+    appended (PyG's ``remove_self_loops`` + ``add_self_loops``, GAT's; unweighted
+    ``add_remaining_self_loops`` gives the same list). ``gcn``: ``(improved, add_self_loops,
+    dtype)`` of PyG's ``gcn_norm`` (remaining self-loops, symmetric normalization), computed on
+    the sort keys. Both without the edge-list copies PyG's functions make."""
     edge_index = _plain(edge_index)
     if edge_index.dim() != 2 or edge_index.size(0) != 2:
         raise ValueError(f"edge_index must be [2, E], got {tuple(edge_index.shape)}")
@@ -524,25 +528,51 @@ def _from_edge_list(
     # ogbn-products' size has 126 M edges: 0.94 GiB each), and rows and columns are read back
     # from the sorted keys, so the build holds about three such vectors at its peak (the
     # key, the sorted keys and their permutation; six before, with GAT's self-loop copies).
-    if replace_loops:
+    weight = None if edge_weight is None else edge_weight.detach()
+    caller_weight = weight  # never kept as is: an in-place change of it must not reach us
+    dis = None  # gcn: D^-1/2 of the weighted in-degrees, self-loops included
+    if replace_loops or (gcn is not None and gcn[1]):
         keep = src != dst
         kept = int(keep.sum())
         key = torch.empty(kept + num_nodes, dtype=torch.int64, device=src.device)
         torch.mul(dst[keep], num_nodes, out=key[:kept])
         key[:kept].add_(src[keep])
-        del keep
         # PyG appends one loop per node after the remaining edges: key i * N + i
         torch.arange(num_nodes, out=key[kept:]).mul_(num_nodes + 1)
+        if gcn is not None:
+            if weight is not None:  # a node's loop keeps its (last listed) weight, else fill
+                w = torch.empty(kept + num_nodes, dtype=weight.dtype, device=weight.device)
+                w[kept:] = 2.0 if gcn[0] else 1.0
+                inv = ~keep
+                w[kept:].index_put_((src[inv],), weight[inv])
+                torch.masked_select(weight, keep, out=w[:kept])
+                weight = w
+                del inv, w
+            else:
+                weight = torch.ones(kept + num_nodes, dtype=gcn[2], device=src.device)
+            deg = weight.new_zeros(num_nodes)
+            deg.scatter_add_(0, dst[keep].long(), weight[:kept])  # PyG's order: edges, loops
+            deg.scatter_add_(0, torch.arange(num_nodes, device=deg.device), weight[kept:])
+            dis = deg.pow_(-0.5).masked_fill_(deg == float("inf"), 0)
+        del keep
     else:
         key = dst.to(torch.int64, copy=True).mul_(num_nodes).add_(src)
+        if gcn is not None:
+            if weight is None:
+                weight = torch.ones(key.numel(), dtype=gcn[2], device=src.device)
+            deg = weight.new_zeros(num_nodes).scatter_add_(0, dst.long(), weight)
+            dis = deg.pow_(-0.5).masked_fill_(deg == float("inf"), 0)
     del src, dst
     perm = None
     if key.numel() >= 2 and not bool((key[1:] >= key[:-1]).all()):
         key, perm = torch.sort(key, stable=True)
-    weight = edge_weight
     if weight is not None:
         # Copies: we own our data, so an in-place change of the caller's never reaches us.
-        weight = weight.detach().clone() if perm is None else weight.detach()[perm]
+        if perm is not None:
+            weight = weight[perm]
+        elif weight is caller_weight:
+            weight = weight.clone()
+    del caller_weight
     if not keep_perm:
         perm = None
     elif perm is not None:  # positions, kept for every step: int32 where they fit (GAT's dropout)
@@ -552,6 +582,9 @@ def _from_edge_list(
     del bounds
     col = key.remainder_(num_nodes).to(_index_dtype(num_nodes))
     del key
+    if dis is not None:  # gcn_norm's D^-1/2[src] * w * D^-1/2[dst], in its order of products
+        weight = dis.index_select(0, col).mul_(weight)
+        weight.mul_(dis.repeat_interleave(rowptr.diff(), output_size=col.numel()))
     return CompactAdjacency(
         num_nodes, rowptr, col, None if external else weight, perm, weight_is_external=external
     )
@@ -608,8 +641,11 @@ def _build(
             )  # fmt: skip
             return _from_torch_csr(csr, num_nodes)
         weight = None if external else edge_weight
-        if add_self_loops and loop_mode == "replace" and not normalize and weight is None:
-            # GAT's loops, on the sort keys: no copies of the edge list (see _from_edge_list)
+        # on the sort keys, without copies of the edge list (see _from_edge_list)
+        if normalize and not external:
+            gcn = (improved, add_self_loops, dtype)
+            return _from_edge_list(graph, weight, num_nodes, external, keep_perm, gcn=gcn)
+        if add_self_loops and weight is None:  # GAT's loops; unweighted remaining loops
             return _from_edge_list(
                 graph, None, num_nodes, external, keep_perm or external, replace_loops=True
             )

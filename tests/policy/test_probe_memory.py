@@ -18,19 +18,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _peaks(model: str, steps: int = 4) -> dict:
+def _peaks(model: str, steps: int = 4, runs: int = 1) -> dict:
     """Per-step peaks of the fixed and the default mode, each in a fresh process. The default
     4 steps hold steps 0, 1 and 3: the first step and two re-planning steps (7 adds CI time
-    only)."""
+    only). ``runs`` > 1: each mode in that many processes, per step the least peak of them:
+    the resident set of identical runs differs by about a MiB (GCNII-64, 10,000 nodes: the
+    default mode's worst step 51.3-52.6 MiB, the fixed one's 47.7-49.0 MiB over four runs
+    each), which is the whole margin of a 1.07-1.08x ratio under a 1.10 bound."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     out = {}
     for mode in ("fixed", "adaptive"):
-        res = subprocess.run(
-            [sys.executable, str(SCRIPT), model, mode, str(steps)],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert res.returncode == 0, res.stderr[-3000:]
-        out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+        for _ in range(runs):
+            res = subprocess.run(
+                [sys.executable, str(SCRIPT), model, mode, str(steps)],
+                env=env, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            assert res.returncode == 0, res.stderr[-3000:]
+            peaks = json.loads(res.stdout.strip().splitlines()[-1])
+            out[mode] = [min(a, b) for a, b in zip(out.get(mode, peaks), peaks)]
     return out
 
 
@@ -42,7 +47,8 @@ def test_linear_inputs_probe_within_the_fixed_bit_envelope():
 
 def test_deep_linear_inputs_probe_within_the_fixed_bit_envelope():
     """A 64-layer GCNII (issue 13 names it): 64 layers' tensors probed in one step."""
-    p = _peaks("gcnii64", steps=2)  # steps 0 and 1: the first step and a re-planning step
+    # steps 0 and 1: the first step and a re-planning step; two runs a mode (see _peaks)
+    p = _peaks("gcnii64", steps=2, runs=2)
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p
 
 

@@ -61,6 +61,12 @@ def test_gcn_normalized_edges_match_pyg(improved, loops):
         ref_ei, ref_w = gcn_norm(ei, weight, n, improved, loops, dtype=torch.float32)
         assert adj.num_edges == ref_ei.size(1)  # duplicates kept, one loop per node
         torch.testing.assert_close(_dense(adj), _dense_from_edges(ref_ei, ref_w, n))
+        # computed on the sort keys, the same edges and weights bit for bit in CSR order
+        order = torch.argsort(ref_ei[1] * n + ref_ei[0], stable=True)
+        assert torch.equal(adj.col.long(), ref_ei[0, order])
+        assert torch.equal(adj.weight, ref_w[order])
+        if weight is not None:
+            assert adj.weight.data_ptr() != weight.data_ptr()
         assert adj.rowptr.dtype == torch.int64 and adj.col.dtype == torch.int32
         assert adj.rowptr[-1] == adj.num_edges
 
@@ -105,9 +111,9 @@ def test_replaced_loops_without_weights_match_pyg_edge_order(index_dtype):
 
 
 def test_building_holds_about_three_edge_long_int64_vectors():
-    """The build reads rows and columns back from the sorted keys and, for GAT's loops, makes
-    no copy of the edge list: at most ~3.5 E-long int64 vectors at once (6.1 before; 0.94 GiB
-    each at ogbn-products' size)."""
+    """The build reads rows and columns back from the sorted keys and, for GAT's loops and
+    GCN's normalization, makes no copy of the edge list: at most ~3.5-4 E-long int64 vectors
+    at once (6.1 and 7.1 before; 0.94 GiB each at ogbn-products' size)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Live(TorchDispatchMode):
@@ -136,6 +142,10 @@ def test_building_holds_about_three_edge_long_int64_vectors():
         adj = get_adjacency(None, ei, n, add_self_loops=True, loop_mode="replace", keep_perm=True)
     assert adj.num_edges >= e
     assert live.peak <= 3.5 * adj.num_edges * 8, live.peak / (adj.num_edges * 8)
+    # GCN's normalization too (7.1 before: gcn_norm's copies of the edge list)
+    with Live(ei) as live:
+        adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True)
+    assert live.peak <= 4 * adj.num_edges * 8, live.peak / (adj.num_edges * 8)
 
 
 def test_unweighted_loop_modes_agree_and_plain_graph_keeps_duplicates():
