@@ -143,8 +143,9 @@ def main(argv=None) -> int:
     graph = fast_graph(args.nodes, device)
     info["edges"] = int(graph.edge_index.size(1))
     info["graph_seconds"] = time.perf_counter() - t0
+    secs = info["graph_seconds"]
     print(f"# graph: {args.nodes:,} nodes, {info['edges']:,} directed edges on {device} "
-          f"({info['graph_seconds']:.1f} s); budget {format_bytes(budget)}", flush=True)  # fmt: skip
+          f"({secs:.1f} s); budget {format_bytes(budget)}", flush=True)  # fmt: skip
     for hidden in (int(h) for h in args.hidden.split(",")):
         if device.type == "cuda":
             with cuda_budget(budget, device):

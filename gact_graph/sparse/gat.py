@@ -324,6 +324,29 @@ def _chunk_alpha(a_src, a_dst, col, dst, m, total, slope: float, acc, keep_pre: 
     return (alpha, logit) if keep_pre else alpha
 
 
+def _aggregate(x_src, coefficients, mask, p: float, out_dtype, wide: _EdgeChunks, chunk: int,
+               num_dst: int) -> Tensor:  # fmt: skip
+    """out[d] = sum over edges e into d of alpha[e] * dropout multiplier[e] * x_src[src_e]
+    (accumulated in fp32 for half inputs): ``coefficients(s, e, col, dst)`` gives a fresh
+    alpha of each wide chunk, whose gathers run ``chunk`` edges at a time."""
+    _, heads, channels = x_src.shape
+    acc = _acc_dtype(x_src.dtype)
+    out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_src.device)
+    for s, e, col_w, dst_w in wide:
+        beta = coefficients(s, e, col_w, dst_w)
+        noise = _chunk_multiplier(mask, p, out_dtype, s, e)
+        if noise is not None:
+            beta = beta.mul_(noise)
+        del noise
+        for a in range(0, e - s, chunk):
+            b = min(a + chunk, e - s)
+            msg = x_src.index_select(0, col_w[a:b]).to(acc)
+            out.index_add_(0, dst_w[a:b], msg.mul_(beta[a:b].unsqueeze(-1)))
+            del msg
+        del beta
+    return out
+
+
 class GatAttentionFunction(torch.autograd.Function):
     """The edge stage of `GATConv` on a destination-sorted CSR.
 
@@ -361,20 +384,12 @@ class GatAttentionFunction(torch.autograd.Function):
         wide = _EdgeChunks(rowptr, col, chunk * channels)
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_src.device, perm)
-        out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_src.device)
-        for s, e, col_w, dst_w in wide:
-            beta = _chunk_alpha(a_src, a_dst, col_w, dst_w, m, total, slope, acc)
-            noise = _chunk_multiplier(mask, dropout, out_dtype, s, e)
-            if noise is not None:
-                beta = beta.mul_(noise)
-            del noise
-            for a in range(0, e - s, chunk):
-                b = min(a + chunk, e - s)
-                msg = x_src.index_select(0, col_w[a:b]).to(acc)
-                out.index_add_(0, dst_w[a:b], msg.mul_(beta[a:b].unsqueeze(-1)))
-                del msg
-            del beta
-        del mask, m, total
+        out = _aggregate(
+            x_src, lambda s, e, col_w, dst_w: _chunk_alpha(
+                a_src, a_dst, col_w, dst_w, m, total, slope, acc
+            ), mask, dropout, out_dtype, wide, chunk, num_dst,
+        )  # fmt: skip
+        del mask
 
         ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, perm, state)
         ctx.negative_slope = slope
@@ -581,20 +596,11 @@ class GatV2AttentionFunction(torch.autograd.Function):
         )
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
-        out = torch.zeros(num_dst, heads, channels, dtype=acc, device=x_l.device)
-        for s, e, col_w, dst_w in wide:
-            beta = _chunk_softmax(logit, s, e, dst_w, m, total)
-            noise = _chunk_multiplier(mask, dropout, out_dtype, s, e)
-            if noise is not None:
-                beta = beta.mul_(noise)
-            del noise
-            for a in range(0, e - s, chunk):
-                b = min(a + chunk, e - s)
-                msg = x_l.index_select(0, col_w[a:b]).to(acc)
-                out.index_add_(0, dst_w[a:b], msg.mul_(beta[a:b].unsqueeze(-1)))
-                del msg
-            del beta
-        del mask, logit, m, total
+        out = _aggregate(
+            x_l, lambda s, e, col_w, dst_w: _chunk_softmax(logit, s, e, dst_w, m, total),
+            mask, dropout, out_dtype, wide, chunk, num_dst,
+        )  # fmt: skip
+        del mask
 
         ctx.save_for_backward(x_l, x_r, att, rowptr, col, perm, state)
         ctx.negative_slope = float(negative_slope)

@@ -611,66 +611,57 @@ class _LivePeak(TorchDispatchMode):
         return out
 
 
+def _edge_stage_peaks(attention, node_inputs, lean: bool, n=2000, e=100_000, heads=2, channels=8):
+    """Live-byte peaks of one edge stage's forward and backward (attention dropout on, chunks
+    of 64 KiB) on a random graph: ``attention(*node_inputs, rowptr, col)``; ``node_inputs``
+    are shapes. Returns (forward peak, backward peak, E x H fp32 bytes, chunk bytes, one
+    N x H x C fp32 tensor's bytes)."""
+    torch.manual_seed(3)
+    rowptr, col = _csr(torch.randint(0, n, (e,)), torch.randint(0, n, (e,)), n)
+    tensors = [torch.randn(*shape(n, heads, channels), requires_grad=True) for shape in node_inputs]
+    chunk_bytes = 64 * 1024
+    existing = (rowptr, col, *tensors)
+    with _LivePeak(*existing) as fwd:
+        out = attention(*tensors, rowptr, col, dropout=0.3, chunk_bytes=chunk_bytes)
+    grad = torch.randn_like(out)
+    with contextlib.ExitStack() as stack:
+        if lean:
+            stack.enter_context(lean_backward())
+        with _LivePeak(*existing, out, grad) as bwd:
+            out.backward(grad)
+    return fwd.peak, bwd.peak, e * heads * 4, chunk_bytes, n * heads * channels * 4
+
+
+def _features(n, h, c):
+    return (n, h, c)
+
+
 @pytest.mark.parametrize("lean", [False, True])
 def test_gatv2_attention_holds_its_logits_and_one_more_edge_by_head_tensor(lean):
     """GATv2's logits cost a gather each: they are kept whole (E x H) and the rest made a chunk
     at a time. At once: the logits, the dropout draw (fp32 for a moment, then a bool mask), in
     backward one more E x H tensor. About eight E x H and an E-long int64 before."""
-    torch.manual_seed(4)
-    n, e, heads, channels = 2000, 100_000, 2, 8
-    rowptr, col = _csr(torch.randint(0, n, (e,)), torch.randint(0, n, (e,)), n)
-    x_l = torch.randn(n, heads, channels, requires_grad=True)
-    x_r = torch.randn(n, heads, channels, requires_grad=True)
-    att = torch.randn(1, heads, channels, requires_grad=True)
-    chunk_bytes = 64 * 1024
-    edge_by_head = e * heads * 4
-    node = n * heads * channels * 4
-    inputs = (rowptr, col, x_l, x_r, att)
-    with _LivePeak(*inputs) as fwd:
-        out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, dropout=0.3,
-                                   chunk_bytes=chunk_bytes)  # fmt: skip
-    grad = torch.randn_like(out)
-    with contextlib.ExitStack() as stack:
-        if lean:
-            stack.enter_context(lean_backward())
-        with _LivePeak(*inputs, out, grad) as bwd:
-            out.backward(grad)
-    chunks = 4 * chunk_bytes
-    assert fwd.peak <= 2.25 * edge_by_head + chunks + 2 * node, (fwd.peak, edge_by_head)
-    assert bwd.peak <= 2.5 * edge_by_head + chunks + 4 * node, (bwd.peak, edge_by_head)
+    fwd, bwd, edge_by_head, chunk, node = _edge_stage_peaks(
+        sgat.gatv2_attention, [_features, _features, lambda n, h, c: (1, h, c)], lean
+    )
+    assert fwd <= 2.25 * edge_by_head + 4 * chunk + 2 * node, (fwd, edge_by_head)
+    assert bwd <= 2.5 * edge_by_head + 4 * chunk + 4 * node, (bwd, edge_by_head)
 
 
 @pytest.mark.parametrize("lean", [False, True])
 def test_gat_attention_holds_one_edge_by_head_tensor(lean):
     """GAT's edge stage makes every edge-level quantity a chunk at a time from node-level
     ones: what it holds at once is the dropout draw (stock's fp32 noise for a moment, then a
-    bool keep-mask), in backward the coefficients' gradient (fp32, E x H) and chunks. It held about eight fp32 E x H tensors
-    and an int64 per edge before, and a GAT at ogbn-products' size did not fit 16 GiB."""
-    torch.manual_seed(3)
-    n, e, heads, channels = 2000, 100_000, 2, 8
-    rowptr, col = _csr(torch.randint(0, n, (e,)), torch.randint(0, n, (e,)), n)
-    x = torch.randn(n, heads, channels, requires_grad=True)
-    a_src = torch.randn(n, heads, requires_grad=True)
-    a_dst = torch.randn(n, heads, requires_grad=True)
-    chunk_bytes = 64 * 1024
-    edge_by_head = e * heads * 4
-    node = n * heads * channels * 4
-    inputs = (rowptr, col, x, a_src, a_dst)
-    with _LivePeak(*inputs) as fwd:
-        out = sgat.gat_attention(x, a_src, a_dst, rowptr, col, dropout=0.3,
-                                 chunk_bytes=chunk_bytes)  # fmt: skip
-    grad = torch.randn_like(out)
-    with contextlib.ExitStack() as stack:
-        if lean:
-            stack.enter_context(lean_backward())
-        with _LivePeak(*inputs, out, grad) as bwd:
-            out.backward(grad)
-    # the dropout draw: stock's fp32 E x H noise for a moment, then its bool mask; chunk
-    # temporaries: chunk x H x C (bounded by chunk_bytes, a few at once) and, in the softmax
-    # passes, chunk * C x H; node level: the output or x's gradient and N x H sums
-    chunks = 4 * chunk_bytes
-    assert fwd.peak <= 1.25 * edge_by_head + chunks + 2 * node, (fwd.peak, edge_by_head)
-    assert bwd.peak <= 1.25 * edge_by_head + chunks + 3 * node, (bwd.peak, edge_by_head)
+    bool keep-mask), in backward the coefficients' gradient (fp32, E x H) and chunks. It held
+    about eight fp32 E x H tensors and an int64 per edge before, and a GAT at ogbn-products'
+    size did not fit 16 GiB."""
+    fwd, bwd, edge_by_head, chunk, node = _edge_stage_peaks(
+        sgat.gat_attention, [_features, lambda n, h, c: (n, h), lambda n, h, c: (n, h)], lean
+    )
+    # chunk temporaries: chunk x H x C (bounded by chunk_bytes, a few at once) and, in the
+    # softmax passes, chunk * C x H; node level: the output or x's gradient and N x H sums
+    assert fwd <= 1.25 * edge_by_head + 4 * chunk + 2 * node, (fwd, edge_by_head)
+    assert bwd <= 1.25 * edge_by_head + 4 * chunk + 3 * node, (bwd, edge_by_head)
 
 
 # ---------------------------------------------------------------------------- quantized
