@@ -570,7 +570,7 @@ def _from_edge_list(
         # Copies: we own our data, so an in-place change of the caller's never reaches us.
         if perm is not None:
             weight = weight[perm]
-        elif weight is caller_weight:
+        elif weight is caller_weight and dis is None:  # (gcn's weights are a new product)
             weight = weight.clone()
     del caller_weight
     if not keep_perm:

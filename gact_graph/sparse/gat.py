@@ -203,14 +203,15 @@ def _attention_dropout(
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(keep-mask in CSR order or None, what to save)`` for attention dropout ``p`` as stock
     draws it: on an E x H alpha of ``dtype`` in stock's edge order (``perm``: CSR position ->
-    stock position; None: the same order). ``saved``: replay in backward. ``p == 1`` gives an
-    all-false mask without a draw (ATen multiplies by a zero scalar); `_multiplier` of a row
-    range of the mask is what alpha's edges are multiplied by."""
+    stock position; None: the same order). ``saved``: replay in backward. ``p == 1`` draws
+    nothing (ATen multiplies by a zero scalar) and gives a 0-dim stand-in, which
+    `_chunk_multiplier` turns into that zero; otherwise `_multiplier` of a row range of the
+    mask is what alpha's edges are multiplied by."""
     if p == 0.0 or num_edges * heads == 0:  # ATen returns alpha itself: nothing drawn
         return None, None
     shape = (num_edges, heads)
     if p == 1.0:  # ATen multiplies by a zero scalar: nothing drawn either
-        return torch.zeros(shape, dtype=torch.bool, device=device), None
+        return torch.zeros((), dtype=torch.bool, device=device), None
     mask, saved = _dropout_mask(p, shape, dtype, device, saved)
     if perm is not None:
         mask = mask.index_select(0, perm)
@@ -347,6 +348,53 @@ def _aggregate(x_src, coefficients, mask, p: float, out_dtype, wide: _EdgeChunks
     return out
 
 
+def _aggregate_backward(features: list, grad_out, coefficients, mask, p: float, out_dtype, acc,
+                        wide: _EdgeChunks, chunk: int, num_dst: int, need_alpha: bool,
+                        need_x: bool, split: bool = False):  # fmt: skip
+    """Backward of `_aggregate`: ``(grad x_src, grad alpha, dot)``. grad x_src[src] += beta *
+    grad_out[dst] (when ``need_x``); grad alpha = <grad_out[dst], x_src[src]> * the dropout
+    multiplier (E x H, the one edge-level tensor kept) and dot[d] = sum over edges into d of
+    alpha * grad alpha, which the softmax's backward needs (when ``need_alpha``). ``features``
+    is ``[x_src]``, a list the caller keeps no other reference to, so that ``split`` (the
+    probe's partial backwards, `gact_graph.lean`) can release the (dequantized) features after
+    a first pass for grad alpha, before grad x_src exists in a second."""
+    x_src = features.pop()
+    x_shape, heads = x_src.shape, x_src.shape[1]
+    device = grad_out.device
+    grad_alpha = dot = grad_x = None
+    if need_alpha:
+        grad_alpha = torch.empty(wide.num_edges, heads, dtype=acc, device=device)
+        dot = torch.zeros(num_dst, heads, dtype=acc, device=device)
+    split = split and need_alpha and need_x
+    for alpha_now, x_now in [(True, False), (False, True)] if split else [(need_alpha, need_x)]:
+        if x_now:
+            grad_x = torch.zeros(x_shape, dtype=acc, device=device)
+        for s, e, col_w, dst_w in wide:
+            alpha = coefficients(s, e, col_w, dst_w)
+            noise = _chunk_multiplier(mask, p, out_dtype, s, e)
+            beta = (alpha if noise is None else alpha * noise) if x_now else None
+            for a in range(0, e - s, chunk):
+                b = min(a + chunk, e - s)
+                g = grad_out.index_select(0, dst_w[a:b]).to(acc)
+                if alpha_now:
+                    xs = x_src.index_select(0, col_w[a:b]).to(acc)
+                    torch.sum(xs.mul_(g), dim=-1, out=grad_alpha[s + a : s + b])
+                    del xs
+                if x_now:
+                    grad_x.index_add_(0, col_w[a:b], g.mul_(beta[a:b].unsqueeze(-1)))
+                del g
+            if alpha_now:
+                ga = grad_alpha[s:e]
+                if noise is not None:
+                    ga.mul_(noise)
+                dot.index_add_(0, dst_w, alpha * ga)
+                del ga
+            del alpha, noise, beta
+        if split and alpha_now:
+            x_src = None
+    return grad_x, grad_alpha, dot
+
+
 class GatAttentionFunction(torch.autograd.Function):
     """The edge stage of `GATConv` on a destination-sorted CSR.
 
@@ -414,49 +462,18 @@ class GatAttentionFunction(torch.autograd.Function):
         wide = _EdgeChunks(rowptr, col, chunk * channels)  # as in forward
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_src.device, perm, state)
-        x_shape, x_dtype = x_src.shape, x_src.dtype
+        x_dtype = x_src.dtype
 
-        # Pass 1 over the edges (chunk x H x C): grad x_src[src] += beta * grad_out[dst] and
-        # grad alpha = <grad_out[dst], x_src[src]> * dropout multiplier, with the softmax
-        # backward's per-destination sum of alpha * grad alpha. Under lean_backward (the
-        # probe's partial backwards) the (dequantized) features are released before their
-        # gradient exists: grad alpha first, grad x_src in a second pass.
-        grad_alpha = dot = None
-        if need_logits:
-            grad_alpha = torch.empty(num_edges, heads, dtype=acc, device=grad_out.device)
-            dot = torch.zeros(num_dst, heads, dtype=acc, device=grad_out.device)
-        grad_x = None
-        split = is_lean() and need_x and need_logits
-        passes = [(True, False), (False, True)] if split else [(need_logits, need_x)]
-        for logits_now, x_now in passes:
-            if x_now:
-                grad_x = torch.zeros(x_shape, dtype=acc, device=grad_out.device)
-            for s, e, col_w, dst_w in wide:
-                alpha = _chunk_alpha(a_src, a_dst, col_w, dst_w, m, total, slope, acc)
-                noise = _chunk_multiplier(mask, p, out_dtype, s, e)
-                beta = None
-                if x_now:
-                    beta = alpha if noise is None else alpha * noise
-                for a in range(0, e - s, chunk):
-                    b = min(a + chunk, e - s)
-                    g = grad_out.index_select(0, dst_w[a:b]).to(acc)
-                    if logits_now:
-                        xs = x_src.index_select(0, col_w[a:b]).to(acc)
-                        torch.sum(xs.mul_(g), dim=-1, out=grad_alpha[s + a : s + b])
-                        del xs
-                    if x_now:
-                        grad_x.index_add_(0, col_w[a:b], g.mul_(beta[a:b].unsqueeze(-1)))
-                    del g
-                if logits_now:
-                    ga = grad_alpha[s:e]
-                    if noise is not None:
-                        ga.mul_(noise)
-                    dot.index_add_(0, dst_w, alpha * ga)
-                    del ga
-                del alpha, noise, beta
-            if logits_now and split:
-                del x_src
-        x_src = None
+        # Pass 1 over the edges (chunk x H x C): the features' gradient and the coefficients'.
+        features = [x_src]
+        del x_src
+        grad_x, grad_alpha, dot = _aggregate_backward(
+            features, grad_out,
+            lambda s, e, col_w, dst_w: _chunk_alpha(
+                a_src, a_dst, col_w, dst_w, m, total, slope, acc
+            ),
+            mask, p, out_dtype, acc, wide, chunk, num_dst, need_logits, need_x, split=is_lean(),
+        )  # fmt: skip
         del mask
 
         # Pass 2 (chunk x H): grad logit = (grad alpha - dot[dst]) * alpha * leaky_relu'.
@@ -597,8 +614,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
         out = _aggregate(
-            x_l, lambda s, e, col_w, dst_w: _chunk_softmax(logit, s, e, dst_w, m, total),
-            mask, dropout, out_dtype, wide, chunk, num_dst,
+            x_l, _kept_softmax(logit, m, total), mask, dropout, out_dtype, wide, chunk, num_dst,
         )  # fmt: skip
         del mask
 
@@ -628,30 +644,11 @@ class GatV2AttentionFunction(torch.autograd.Function):
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_l.device, perm, state)
 
-        # Pass 1 (chunk x H x C): grad x_l[src] += beta * grad_out[dst] (the message) and
-        # grad alpha = <grad_out[dst], x_l[src]> * dropout multiplier, with the softmax
-        # backward's per-destination sum of alpha * grad alpha.
-        grad_l = torch.zeros(x_l.shape, dtype=acc, device=x_l.device) if need_l else None
-        grad_s = torch.empty(num_edges, heads, dtype=acc, device=x_l.device)
-        dot = torch.zeros(num_dst, heads, dtype=acc, device=x_l.device)
-        for s, e, col_w, dst_w in wide:
-            alpha = _chunk_softmax(logit, s, e, dst_w, m, total)
-            noise = _chunk_multiplier(mask, p, out_dtype, s, e)
-            beta = alpha if noise is None else alpha * noise
-            for a in range(0, e - s, chunk):
-                b = min(a + chunk, e - s)
-                g = grad_out.index_select(0, dst_w[a:b]).to(acc)
-                xs = x_l.index_select(0, col_w[a:b]).to(acc)
-                torch.sum(xs.mul_(g), dim=-1, out=grad_s[s + a : s + b])
-                del xs
-                if grad_l is not None:
-                    grad_l.index_add_(0, col_w[a:b], g.mul_(beta[a:b].unsqueeze(-1)))
-                del g
-            ga = grad_s[s:e]
-            if noise is not None:
-                ga.mul_(noise)
-            dot.index_add_(0, dst_w, alpha * ga)
-            del alpha, noise, beta, ga
+        # Pass 1 (chunk x H x C): x_l's gradient through the message, the coefficients'.
+        grad_l, grad_s, dot = _aggregate_backward(
+            [x_l], grad_out, _kept_softmax(logit, m, total), mask, p, out_dtype, acc, wide,
+            chunk, num_dst, True, need_l,
+        )  # fmt: skip
         del mask
         # Pass 2 (chunk x H): grad logit = (grad alpha - dot[dst]) * alpha, in grad_s's place.
         for s, e, _, dst_w in wide:
@@ -703,6 +700,11 @@ class GatV2AttentionFunction(torch.autograd.Function):
 def _kept(scores: Tensor):
     """`_segment_stats`'s ``scores`` for scores kept whole: a copy of each chunk's rows."""
     return lambda s, e, col, dst: scores[s:e].clone()
+
+
+def _kept_softmax(scores: Tensor, m: Tensor, total: Tensor):
+    """`_aggregate`'s ``coefficients`` from scores kept whole and `_segment_stats`."""
+    return lambda s, e, col, dst: _chunk_softmax(scores, s, e, dst, m, total)
 
 
 def _chunk_softmax(scores: Tensor, s: int, e: int, dst: Tensor, m: Tensor, total: Tensor):
