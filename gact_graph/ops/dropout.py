@@ -59,6 +59,51 @@ def can_regenerate(x: Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % _FRESH_ALIGNMENT == 0
 
 
+def _same_draw(grad: Tensor, shape: tuple, dtype: torch.dtype, p: float) -> bool:
+    """Whether ``native_dropout(grad, p)`` returns ``native_dropout_backward(grad, mask, 1 / (1 -
+    p))`` bit for bit: it draws the forward's mask (the forward's input passed `can_regenerate`,
+    so ``grad`` must too: contiguous, aligned like a fresh allocation, same size and dtype) and
+    scales by the same float as the backward kernel (`_kernel_scale_is_exact`)."""
+    return (
+        grad.dtype == dtype
+        and tuple(grad.shape) == shape
+        and not grad.requires_grad
+        and can_regenerate(grad)
+        and _kernel_scale_is_exact(grad.device, p)
+    )
+
+
+_SCALE_EXACT: dict[tuple[str, float], bool] = {}
+
+
+def _kernel_scale_is_exact(device: torch.device, p: float) -> bool:
+    """Whether the forward kernel's ``1 / keep`` (float arithmetic in the kernel) equals
+    ``float32(1 / (1 - p))``, the scale autograd hands ``native_dropout_backward`` (double
+    arithmetic): they differ by an ulp for some ``p``. Read off the kernel once per device and
+    ``p`` (a kept element of ``native_dropout(ones)`` is the scale; one host sync), with the
+    caller's generator state restored."""
+    key = (str(device), p)
+    if key not in _SCALE_EXACT:
+        ones = torch.ones(1 << 16, device=device)
+        gen = _default_generator(device)
+        drawn = _with_state(device, gen.get_state(), lambda: torch.native_dropout(ones, p, True)[0])
+        kept = float(drawn.max())
+        _SCALE_EXACT[key] = kept == float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
+    return _SCALE_EXACT[key]
+
+
+def _with_state(device: torch.device, state: Tensor, draw):
+    """``draw()`` with the default generator of ``device`` set to ``state``; the caller's state
+    restored afterwards."""
+    gen = _default_generator(device)
+    caller = gen.get_state()
+    gen.set_state(state)
+    try:
+        return draw()
+    finally:
+        gen.set_state(caller)
+
+
 class DropoutFunction(torch.autograd.Function):
     """Training-mode dropout (``0 < p < 1``) whose backward regenerates the mask."""
 
@@ -93,21 +138,23 @@ class DropoutFunction(torch.autograd.Function):
         shape, dtype, device = ctx.meta
         p = ctx.p
         if ctx.fused:
+            scale = 1.0 / (1.0 - p)
+            if ctx.regen and not torch.is_grad_enabled() and _same_draw(grad, shape, dtype, p):
+                # The kernel's mask depends on the generator state and the input's size, dtype
+                # and alignment only, never on its values, and its output is input * mask *
+                # scale: run on the gradient, it returns native_dropout_backward's result bit
+                # for bit, with no input-sized dummy and no second output (the mask, 1 byte an
+                # element, is the only other tensor)
+                out = _with_state(device, saved, lambda: torch.native_dropout(grad, p, True)[0])
+                return out, None, None
             if ctx.regen:
-                gen = _default_generator(device)
-                caller = gen.get_state()
-                gen.set_state(saved)
-                try:
-                    # only the mask is kept: the dummy and its dropped-out copy (two input-sized
-                    # tensors) are freed before the gradient is formed
-                    dummy = torch.empty(shape, dtype=dtype, device=device)
-                    mask = torch.native_dropout(dummy, p, True)[1]
-                    del dummy
-                finally:
-                    gen.set_state(caller)
+                # only the mask is kept: the dummy and its dropped-out copy (two input-sized
+                # tensors) are freed before the gradient is formed
+                dummy = torch.empty(shape, dtype=dtype, device=device)
+                mask = _with_state(device, saved, lambda: torch.native_dropout(dummy, p, True)[1])
+                del dummy
             else:
                 mask = saved
-            scale = 1.0 / (1.0 - p)
             if torch.is_grad_enabled():  # create_graph: PyTorch's differentiable formula
                 return grad * (mask.type_as(grad) * scale), None, None
             return torch.ops.aten.native_dropout_backward(grad, mask, scale), None, None

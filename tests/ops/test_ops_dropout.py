@@ -1,6 +1,8 @@
 """Regenerated dropout: bit-identical outputs, gradients and RNG stream to PyTorch's dropout,
 while saving only the generator state (no per-element memory)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,11 @@ from gact_graph.ops import PointwiseMode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def needs_cuda(test):
+    """Skipped without a GPU; selected by ``-m cuda`` with one."""
+    return pytest.mark.cuda(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(test))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -266,3 +272,49 @@ def test_cuda_memory_per_element_is_zero():
     with compress_gnn(model, bits=2) as ctl:
         model(x)
         assert ctl.stats()["total"]["stored_bytes"] == 16  # seed + offset
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1024, 384), (1822, 781), (1823, 781)])  # vector 4, 2, 1
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_cuda_gradient_through_the_kernel_is_bitwise(dtype, shape, p):
+    """The fused path's backward runs the dropout kernel on the gradient itself (when the
+    gradient is drawn like the input): bitwise stock's gradient for each vector width."""
+    x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+    _check_bitwise(lambda t: F.dropout(t, p), x, device="cuda")
+
+
+@needs_cuda
+def test_cuda_unaligned_gradient_falls_back_to_the_mask_and_stays_exact():
+    x = torch.randn(1024, 384, device="cuda", requires_grad=True)
+    base = torch.randn(1024 * 384 + 1, device="cuda")
+    grad = base[1:].view(1024, 384)  # 4-byte offset: the kernel would vectorize differently
+    assert not D.can_regenerate(grad)
+    outs = []
+    for mode in (contextlib.nullcontext(), PointwiseMode()):  # stock, ours
+        torch.manual_seed(3)
+        with mode:
+            y = F.dropout(x, 0.4)
+        outs.append(torch.autograd.grad(y, x, grad)[0])
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_cuda
+def test_cuda_backward_allocates_only_the_gradient_and_the_mask():
+    """The regenerating backward holds the result and the kernel's 1-byte mask, not an
+    input-sized dummy and its dropped-out copy besides (2.25 -> 1.25 input sizes at its peak,
+    the worst of GAT's default-mode steps on a GPU)."""
+    n = 1 << 22
+    x = torch.randn(n, device="cuda", requires_grad=True)
+    grad = torch.randn(n, device="cuda")
+    with PointwiseMode():
+        y = F.dropout(x, 0.5)
+    D._kernel_scale_is_exact(x.device, 0.5)  # the one-time calibration, outside the window
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (g,) = torch.autograd.grad(y, x, grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= 4 * n + n + (1 << 20), peak / n  # the gradient (4 B) + the mask (1 B)
