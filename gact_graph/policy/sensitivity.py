@@ -936,16 +936,7 @@ class SensitivityProbe:
         seeds.edges, seeds.grads = [], []
         with self._inside():
             try:
-                acc = self._acc.setdefault(name, {})
-                while True:  # a chain: walk it by hand, one gradient alive at a time
-                    edges, grads = self._split_small(acc, edges, grads)
-                    if len(edges) != 1:
-                        break
-                    advanced = self._advance(acc, edges[0], grads)
-                    if advanced is None:
-                        break
-                    edges, grads = advanced
-                self._grad_into(acc, edges, grads)
+                self._walk(self._acc.setdefault(name, {}), edges, grads)
             except Exception as exc:  # never break the user's backward
                 self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
             finally:
@@ -954,30 +945,79 @@ class SensitivityProbe:
         self._open[name] -= 1
         self._finish_read(name, read=False)
 
-    def _advance(self, acc: dict[int, Tensor], edge, held: list[Tensor]):
-        """Run the node that the gradient in ``held`` enters, alone, and return the edges and
-        gradients it emits (what reaches a parameter is added to ``acc``) after taking that
-        gradient out of ``held``, so that it is released before the partial backward below (a
-        partial backward holds the gradients it starts from to its end). The node runs in a
-        backward of its own (``torch.autograd.grad`` stopped at its input edges), as the
-        partial backwards do: a checkpoint segment counts its unpacks per backward pass.
-        ``None``, ``held`` untouched, for a node it leaves alone: only C++ nodes and this
-        package's own Functions are run ahead (another Python node may accumulate into
-        ``.grad`` itself, e.g. a reentrant checkpoint)."""
-        fn = edge.node
+    def _walk(self, acc: dict[int, Tensor], edges: list, grads: list[Tensor]) -> None:
+        """Carry the seeds ``grads`` at ``edges`` to the parameters (into ``acc``) by hand, one
+        node at a time, latest in forward order first (as the engine orders them: no node left
+        feeds the one that runs), with the gradients that reach one node input summed into one
+        tensor as soon as both exist. A partial backward holds the gradients it starts from
+        to its end; walked so, each is released once its node has run, and seeds that meet
+        below (GAT's attention logits and features, both from one linear layer's output) go
+        on as one gradient rather than as a full partial backward each while the other waits
+        (on a GPU the default mode's worst GAT step held three N x H tensors more so). Where
+        a node cannot be run alone (`_runnable`), the rest is one partial backward. The sum
+        over parameters is linear in the seeds: walking changes only the order of additions."""
+        pending: dict[tuple[int, int], list] = {}
+        self._merge(pending, edges, grads)
+        edges.clear(), grads.clear()
+        while pending:
+            node = max((e.node for e, _ in pending.values()), key=lambda n: n._sequence_nr())
+            if not self._runnable(node):
+                break
+            keys = [k for k, (e, _) in pending.items() if e.node is node]
+            run_edges, run_grads = [], []
+            for k in keys:
+                e, g = pending.pop(k)
+                run_edges.append(e)
+                run_grads.append(g)
+            del g
+            self._merge(pending, *self._run_alone(acc, node, run_edges, run_grads))
+        if pending:
+            rest = list(pending.values())
+            pending.clear()
+            self._grad_into(acc, [e for e, _ in rest], [g for _, g in rest])
+
+    @staticmethod
+    def _merge(pending: dict, edges: list, grads: list[Tensor]) -> None:
+        """Add ``grads`` into ``pending`` (node input -> [edge, gradient]); a gradient already
+        there takes the new one in place unless its memory is shared (an add node hands one
+        tensor to both its inputs)."""
+        for e, g in zip(edges, grads):
+            key = (id(e.node), e.output_nr)
+            if key not in pending:
+                pending[key] = [e, g]
+                continue
+            have = pending[key][1]
+            others = [t for k, (_, t) in pending.items() if k != key] + [g]
+            pending[key][1] = have.add_(g) if not _shares_storage(have, others) else have + g
+            del have, others
+        grads.clear()
+
+    @staticmethod
+    def _runnable(fn) -> bool:
+        """Whether the walk may run ``fn`` alone: C++ nodes and this package's own Functions
+        (another Python node may accumulate into ``.grad`` itself, e.g. a reentrant
+        checkpoint), not a leaf's accumulator, and with somewhere to send its gradients."""
         ours = getattr(getattr(fn, "_forward_cls", None), "__module__", "").startswith("gact_graph")
         if (not callable(fn) and not ours) or getattr(fn, "variable", None) is not None:
-            return None
+            return False
+        return any(nxt is not None for nxt, _ in fn.next_functions)
+
+    def _run_alone(self, acc: dict[int, Tensor], fn, edges: list, grads: list[Tensor]):
+        """Run ``fn`` on ``grads`` (at its outputs ``edges``; the list is emptied, so that
+        the gradients go once ``fn`` has run) in a backward of its own (``torch.autograd.grad``
+        stopped at its input edges, as the partial backwards do: a checkpoint segment counts
+        its unpacks per backward pass). What reaches a parameter is added to ``acc``; returns
+        the edges and gradients it sends further."""
         targets: dict[tuple[int, int], GradientEdge] = {}
         for nxt, nnr in fn.next_functions:
             if nxt is not None:
                 targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
-        if not targets:
-            return None
         ins = list(targets.values())
-        grad = torch.autograd.grad
-        out = list(grad([edge], ins, [held.pop()], retain_graph=True, allow_unused=True))
-        edges, grads = [], []
+        held = list(grads)
+        grads.clear()
+        out = list(torch.autograd.grad(edges, ins, held, retain_graph=True, allow_unused=True))
+        held.clear()
+        next_edges, next_grads = [], []
         for k, target in enumerate(ins):
             o, out[k] = out[k], None
             if o is None or not o.is_floating_point() or not bool(o.any()):
@@ -987,26 +1027,9 @@ class SensitivityProbe:
                 if id(var) in self._param_ids:
                     self._add(acc, var, o)
                 continue
-            edges.append(target)
-            grads.append(o)
-        return edges, grads
-
-    def _split_small(self, acc: dict[int, Tensor], edges: list, grads: list[Tensor]):
-        """Carry every gradient but the largest to the parameters now, where each is at most
-        an eighth of it (a weight's transpose beside the input's gradient of a matmul), and
-        return the largest alone, so that the walk by hand goes on through the chain: stopped
-        there, the partial backward of `_grad_into` held the matmul's input gradient and every
-        gradient below it to its end (GCN + BatchNorm: two N x C tensors at the probed step's
-        peak). The sum over parameters is linear in the seeds, so splitting it changes
-        nothing but the order of additions."""
-        if len(edges) < 2:
-            return edges, grads
-        big = max(range(len(grads)), key=lambda i: grads[i].numel())
-        rest = [i for i in range(len(grads)) if i != big]
-        if any(grads[i].numel() * 8 > grads[big].numel() for i in rest):
-            return edges, grads
-        self._grad_into(acc, [edges[i] for i in rest], [grads[i] for i in rest])
-        return [edges[big]], [grads[big]]
+            next_edges.append(target)
+            next_grads.append(o)
+        return next_edges, next_grads
 
     def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
         """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""

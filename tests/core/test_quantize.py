@@ -380,7 +380,7 @@ def test_blocks_cover_every_group_of_a_tensor_past_2_pow_31_once():
 
 
 def _full_size_devices():
-    devices = ["cuda"] if torch.cuda.is_available() else []
+    devices = [pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []
     if os.environ.get("GACT_GRAPH_FULL_SIZE") == "1":
         devices.append("cpu")
     return devices or [pytest.param("cpu", marks=pytest.mark.skip(reason=(

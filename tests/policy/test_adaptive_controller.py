@@ -276,7 +276,7 @@ def test_a_probe_that_runs_out_of_memory_never_fails_the_step():
                 def out_of_memory(*args, **kwargs):
                     raise torch.OutOfMemoryError("out of memory (simulated)")
 
-                for name in ("_replay", "_grad_into", "_advance"):
+                for name in ("_replay", "_grad_into", "_run_alone"):
                     mp.setattr(sensitivity.SensitivityProbe, name, out_of_memory)
                 mp.setattr(sensitivity, "row_rounding_variance", out_of_memory)
             nn.functional.cross_entropy(model(x, ei), y).backward()

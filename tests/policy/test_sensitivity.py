@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch_geometric.nn import GCNConv
 
 from gact_graph import compress_gnn
@@ -381,17 +382,18 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     """Inside the probe's partial backwards, a matmul and BatchNorm read their compressed
     input a row chunk at a time (`RowChunked`), GAT's backward takes its two-pass variant
     (`lean_backward`), BatchNorm's replay writes into the probe's noisy copy (`scratch`) and
-    the walk by hand carries a weight's small gradient apart (`_split_small`), all for memory
-    (issue 13): the estimates are those of the dense one-pass backward."""
+    the partial backwards are walked by hand a node at a time with the gradients that meet
+    summed (`_walk`: the attention logits' and the features' meet at the linear layer), all
+    for memory (issues 13, 14): the estimates are those of the dense one-pass backward."""
     from gact_graph import lean
     from gact_graph.ops import batchnorm
     from gact_graph.policy import sensitivity
 
     ctl, step = _small_gat(2)
     state = torch.get_rng_state()
-    made, lean_calls, scratch_calls, splits = [], [], [], []
+    made, lean_calls, scratch_calls, merged = [], [], [], []
     real_chunked, real_is_lean = sensitivity.RowChunked, lean.is_lean
-    real_scratch, real_split = lean.is_scratch, sensitivity.SensitivityProbe._split_small
+    real_scratch, real_merge = lean.is_scratch, sensitivity.SensitivityProbe._merge
 
     def chunked(q):
         made.append(tuple(q.shape))
@@ -405,29 +407,29 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
         scratch_calls.append(real_scratch(t))
         return scratch_calls[-1]
 
-    def split(self, acc, edges, grads):
-        out = real_split(self, acc, edges, grads)
-        splits.append(len(out[0]) < len(edges))
-        return out
+    def merge(pending, edges, grads):
+        keys = [(id(e.node), e.output_nr) for e in edges]
+        merged.append(sum(k in pending for k in keys) + len(keys) - len(set(keys)))
+        real_merge(pending, edges, grads)
 
     monkeypatch.setattr(sensitivity, "RowChunked", chunked)
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", is_lean)
     monkeypatch.setattr(batchnorm, "is_scratch", is_scratch)
-    monkeypatch.setattr(sensitivity.SensitivityProbe, "_split_small", split)
+    monkeypatch.setattr(sensitivity.SensitivityProbe, "_merge", staticmethod(merge))
     bn_chunks = []
     real_ranges = batchnorm.row_ranges
     monkeypatch.setattr(batchnorm, "row_ranges", lambda q: bn_chunks.append(1) or real_ranges(q))
     torch.set_rng_state(state)
     got = probe_sensitivity(ctl, step, seed=5)
     assert made and any(lean_calls), (made, lean_calls)
-    assert any(scratch_calls) and any(splits), (scratch_calls, splits)
+    assert any(scratch_calls) and any(merged), (scratch_calls, merged)
     assert bn_chunks  # BatchNorm read its normalized input a row chunk at a time
 
     monkeypatch.setattr(sensitivity, "RowChunked", lambda q: q.dequantize())
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", lambda: False)
     monkeypatch.setattr(batchnorm, "is_scratch", lambda t: False)
-    monkeypatch.setattr(
-        sensitivity.SensitivityProbe, "_split_small", lambda self, acc, e, g: (e, g)
+    monkeypatch.setattr(  # one plain partial backward per replay
+        sensitivity.SensitivityProbe, "_walk", lambda self, acc, e, g: self._grad_into(acc, e, g)
     )
     torch.set_rng_state(state)
     dense = probe_sensitivity(ctl, step, seed=5)
@@ -452,3 +454,40 @@ def test_row_rounding_variance_from_compact_counts_is_the_definition(shape):
     want = 0.7 * (element_step(q).double().square() / 6 * (x != 0)).sum(1)
     got = row_rounding_variance(q, counts, 0.7)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-12)
+
+
+def test_walk_carries_seeds_that_meet_as_one_gradient():
+    """The probe's partial backward is walked by hand, latest node first, and the seeds that
+    reach one node input are summed there (`SensitivityProbe._walk`): the nodes below run
+    once, on one gradient, where carrying the small seed apart (GAT's attention logits beside
+    its features, both from one linear layer) ran them once per seed while the other seed
+    waited. The parameter's gradient is the plain partial backward's."""
+    from gact_graph.policy.sensitivity import SensitivityProbe
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(5, 8)
+    runs = []
+
+    class Below(torch.autograd.Function):  # a Python node: the walk hands it to the engine
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            runs.append(g.shape)
+            return g
+
+    z = Below.apply(x @ w) * 2.0
+    small, big = z.sum(-1), z * 3.0  # 5 and 40 elements: the small one is an eighth
+    seeds = [torch.randn(5), torch.randn(5, 8)]
+    (want,) = torch.autograd.grad([small, big], [w], seeds, retain_graph=True)
+    runs.clear()
+    probe = SensitivityProbe.__new__(SensitivityProbe)
+    probe._params, probe._param_ids = [w], {id(w)}
+    acc: dict = {}
+    edges = [GradientEdge(small.grad_fn, 0), GradientEdge(big.grad_fn, 0)]
+    probe._walk(acc, edges, [s.clone() for s in seeds])
+    assert runs == [torch.Size([5, 8])]  # once, on the summed gradient
+    torch.testing.assert_close(acc[id(w)].float(), want, rtol=1e-5, atol=1e-6)

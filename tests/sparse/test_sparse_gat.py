@@ -433,14 +433,12 @@ class _TwoLayer(nn.Module):
         return self.conv2(x, edge_index)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("conv_cls", [GATConv, GATv2Conv])
 def test_attention_dropout_lossless_equals_stock(conv_cls, device):
     """bits=None with attention dropout: stock's loss, gradients and RNG state after the step.
     The masks are stock's: drawn from the global generator as ``F.dropout`` draws them, in
     PyG's edge order (self-loops appended), though the fused path runs in CSR order."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(13)
     ei, x = _graph("self_loops").to(device), torch.randn(60, 12, device=device)
     y = torch.randint(0, 5, (60,), device=device)
