@@ -19,7 +19,9 @@ the mask bit for bit:
   ``bernoulli_`` is drawn into a tensor with the same sizes and strides; the caller's
   generator is never touched, so the training RNG stream is unaffected;
 - CUDA fused path: ``native_dropout`` takes no generator, so the default CUDA generator is set
-  to the saved state, the kernel re-run, and the caller's state restored. The kernel's
+  to the saved state, the kernel re-run, and the caller's state restored: on the gradient
+  itself where that gives ``native_dropout_backward``'s result bit for bit (`_same_draw`), on an
+  input-sized dummy for the mask otherwise. The kernel's
   vectorization (hence which random number lands on which element) depends on the input's
   alignment and density, so this path is used only for dense inputs aligned like a fresh
   allocation; otherwise (and while a CUDA graph is being captured) the ``bool`` mask itself is
