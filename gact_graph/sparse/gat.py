@@ -844,12 +844,18 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     return [part.contiguous() for part in logits.split([b.shape[0] for b in blocks], dim=1)]
 
 
+def _plus(out: Tensor, t: Tensor) -> Tensor:
+    """``out + t`` (the residual, the bias) into ``out``, the edge stage's fresh result that
+    nothing saved, where the dtype stays what stock's out-of-place sum gives (under autocast a
+    bf16 sum plus an fp32 bias is fp32): no N x H x C sum beside its two terms."""
+    return out.add_(t) if torch.promote_types(out.dtype, t.dtype) == out.dtype else out + t
+
+
 def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
     """`GATConv.forward` (PyG 2.8.1) with the edge stage replaced by `GatAttentionFunction`
     and the node logits computed by `_node_logits`."""
     heads, channels = module.heads, module.out_channels
     x_s, x_d = (x, x) if isinstance(x, Tensor) else x
-    res = module.res(x_d) if module.res is not None else None
     lin_src, lin_dst = _projections(module)
     x_src = lin_src(x_s).view(-1, heads, channels)
     # Stock's destination projection feeds only its logits: not computed here.
@@ -872,11 +878,16 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
         x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
+    # The projection is saved (compressed) by now: its fp32 copy goes before the residual's
+    # projection exists, which stock makes first (a linear map: same values in either order).
+    # The forward's widest moment holds the layer input, the projection and the aggregation
+    # (and the edge chunks), not five N x H x C tensors.
+    del x_src, a_src, a_dst
     out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
-    if res is not None:
-        out = out + res
+    if module.res is not None:
+        out = _plus(out, module.res(x_d))
     if module.bias is not None:
-        out = out + module.bias
+        out = _plus(out, module.bias)
     return out
 
 
@@ -896,17 +907,11 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
     """`GATv2Conv.forward` (PyG 2.8.1) with the edge stage replaced by
     `GatV2AttentionFunction`."""
     heads, channels = module.heads, module.out_channels
-    res = None
-    if isinstance(x, Tensor):
-        if module.res is not None:
-            res = module.res(x)
-        x_l = module.lin_l(x).view(-1, heads, channels)
-        x_r = x_l if module.share_weights else module.lin_r(x).view(-1, heads, channels)
+    x_s, x_d = (x, x) if isinstance(x, Tensor) else x
+    x_l = module.lin_l(x_s).view(-1, heads, channels)
+    if x_s is x_d and module.share_weights:
+        x_r = x_l
     else:
-        x_s, x_d = x
-        if module.res is not None:
-            res = module.res(x_d)
-        x_l = module.lin_l(x_s).view(-1, heads, channels)
         x_r = module.lin_r(x_d).view(-1, heads, channels)
 
     adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
@@ -915,11 +920,12 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
         x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
+    del x_l, x_r  # saved by now: the residual's projection comes after them (see GATConv's)
     out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
-    if res is not None:
-        out = out + res
+    if module.res is not None:
+        out = _plus(out, module.res(x_d))
     if module.bias is not None:
-        out = out + module.bias
+        out = _plus(out, module.bias)
     return out
 
 
