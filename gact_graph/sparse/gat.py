@@ -844,11 +844,24 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     return [part.contiguous() for part in logits.split([b.shape[0] for b in blocks], dim=1)]
 
 
-def _plus(out: Tensor, t: Tensor) -> Tensor:
-    """``out + t`` (the residual, the bias) into ``out``, the edge stage's fresh result that
-    nothing saved, where the dtype stays what stock's out-of-place sum gives (under autocast a
-    bf16 sum plus an fp32 bias is fp32): no N x H x C sum beside its two terms."""
-    return out.add_(t) if torch.promote_types(out.dtype, t.dtype) == out.dtype else out + t
+def _finish(module, out: Tensor, res: Tensor | None) -> Tensor:
+    """Stock's end of a GAT layer: heads concatenated (or averaged), plus the residual, plus
+    the bias. The sums go into the edge stage's output, a fresh tensor nothing saved, while it
+    is still N x H x C (in place on a view would add a CopySlices node, which clones the
+    gradient in backward), where the dtype stays what stock's out-of-place sum gives (under
+    autocast a bf16 sum plus an fp32 bias is fp32): no N x H x C sum beside its terms."""
+    heads, channels = out.shape[1:]
+    if module.concat:
+        terms = [None if res is None else res.reshape(-1, heads, channels),
+                 None if module.bias is None else module.bias.view(heads, channels)]  # fmt: skip
+    else:
+        out = out.mean(dim=1)
+        terms = [res, module.bias]
+    for t in terms:
+        if t is not None:
+            same = torch.promote_types(out.dtype, t.dtype) == out.dtype
+            out = out.add_(t) if same else out + t
+    return out.view(-1, heads * channels) if module.concat else out
 
 
 def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
@@ -856,6 +869,7 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
     and the node logits computed by `_node_logits`."""
     heads, channels = module.heads, module.out_channels
     x_s, x_d = (x, x) if isinstance(x, Tensor) else x
+    res = module.res(x_d) if module.res is not None else None
     lin_src, lin_dst = _projections(module)
     x_src = lin_src(x_s).view(-1, heads, channels)
     # Stock's destination projection feeds only its logits: not computed here.
@@ -878,17 +892,12 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
         x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
-    # The projection is saved (compressed) by now: its fp32 copy goes before the residual's
-    # projection exists, which stock makes first (a linear map: same values in either order).
-    # The forward's widest moment holds the layer input, the projection and the aggregation
-    # (and the edge chunks), not five N x H x C tensors.
+    # The projection is saved (compressed) by now: its fp32 copy goes before the sums below.
+    # (Making the residual's projection only now, too, as stock does not, holds one tensor
+    # less in forward, but it runs before the edge stage in backward, and on an H200 the
+    # default mode's probed GAT steps then peaked 0.4 N x H x C higher.)
     del x_src, a_src, a_dst
-    out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
-    if module.res is not None:
-        out = _plus(out, module.res(x_d))
-    if module.bias is not None:
-        out = _plus(out, module.bias)
-    return out
+    return _finish(module, out, res)
 
 
 def _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights) -> str | None:
@@ -908,6 +917,7 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
     `GatV2AttentionFunction`."""
     heads, channels = module.heads, module.out_channels
     x_s, x_d = (x, x) if isinstance(x, Tensor) else x
+    res = module.res(x_d) if module.res is not None else None
     x_l = module.lin_l(x_s).view(-1, heads, channels)
     if x_s is x_d and module.share_weights:
         x_r = x_l
@@ -920,13 +930,8 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
         x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
         chunk_bytes=_chunk_bytes(ctl),
     )  # fmt: skip
-    del x_l, x_r  # saved by now: the residual's projection comes after them (see GATConv's)
-    out = out.view(-1, heads * channels) if module.concat else out.mean(dim=1)
-    if module.res is not None:
-        out = _plus(out, module.res(x_d))
-    if module.bias is not None:
-        out = _plus(out, module.bias)
-    return out
+    del x_l, x_r  # saved by now (see GATConv's)
+    return _finish(module, out, res)
 
 
 @register_patcher(GATConv)

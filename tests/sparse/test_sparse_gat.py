@@ -805,13 +805,13 @@ def test_source_and_destination_logits_share_one_matmul():
     ctl.remove()
 
 
-@pytest.mark.parametrize("conv_cls, bound", [(GATConv, 3.3), (GATv2Conv, 4.3)])
-def test_forward_frees_the_projection_before_the_residual(conv_cls, bound):
+@pytest.mark.parametrize("conv_cls, bound", [(GATConv, 4.0), (GATv2Conv, 5.0)])
+def test_forward_frees_the_projection_before_the_sums(conv_cls, bound):
     """A fused GAT layer's forward drops its fp32 projection(s) once saved (compressed) and
-    only then makes the residual's projection, which it adds in place, as it does the bias:
-    at its widest it holds the aggregation and the projection(s) (GATv2: two, and its whole
-    logits), plus the quantizer's blocks and the edge chunks, where it also held the residual
-    and the sum (each bound failed so: 4.3 and 5.3 N x H x C at 8 edges a node)."""
+    adds the residual and the bias into the edge stage's output in place: at its widest it
+    holds the residual's projection, the projection(s) and the aggregation (GATv2 also its
+    whole logits), plus the quantizer's blocks and the edge chunks, not also their sum
+    (3.7 and 4.7 N x H x C here; 4.3 and 5.3 before)."""
     torch.manual_seed(0)
     n, heads, channels = 10_000, 4, 48
     x, ei = torch.randn(n, 32), torch.randint(0, n, (2, 3 * n))
