@@ -41,7 +41,7 @@ __all__ = [
 #: Graphs a controller keeps alive between forwards (most recently used); older ones are held
 #: weakly (alive only while autograd still needs them). ``compress_gnn(..., max_graphs=N)``.
 DEFAULT_MAX_GRAPHS = 4
-_HASH_CHUNK = 1 << 20
+_HASH_CHUNK = 1 << 18
 
 # torch warns once per process that CSR support is "in beta" when we build the transient CSR
 # view of an adjacency; it says nothing to our users, so that one message is silenced.
@@ -280,16 +280,17 @@ def content_hash(t: Tensor | None) -> tuple:
     h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
     h2 = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, n, _HASH_CHUNK):
+        # in place where the tensor is this loop's own (``v`` may be the caller's int64 data):
+        # four chunk-sized int64 tensors at once, not seven (a graph's first step builds its
+        # adjacency, and on a small graph this hash of its edge index was that step's peak)
         v = _as_int64_values(flat[start : start + _HASH_CHUNK])
-        pos = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
-        m = pos * _M1
-        m = m ^ (m >> 31)
-        m = m * _M2
-        m = m ^ (m >> 27)
-        a = (v ^ m) * _M3
-        h1 += (a ^ (a >> 29)).sum()
-        b = (v + m) * _M1
-        h2 += (b ^ (b >> 32)).sum()
+        m = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
+        m.mul_(_M1).bitwise_xor_(m >> 31).mul_(_M2).bitwise_xor_(m >> 27)
+        a = torch.bitwise_xor(v, m).mul_(_M3)
+        h1 += a.bitwise_xor_(a >> 29).sum()
+        b = torch.add(v, m, out=a).mul_(_M1)
+        h2 += b.bitwise_xor_(b >> 32).sum()
+        del v, m, a, b
     kind = "float" if t.is_floating_point() else "int"
     return (kind, tuple(t.shape), int(h1), int(h2))
 

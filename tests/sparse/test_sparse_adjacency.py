@@ -6,6 +6,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.utils import add_remaining_self_loops, add_self_loops, remove_self_loops
 
@@ -110,40 +111,42 @@ def test_replaced_loops_without_weights_match_pyg_edge_order(index_dtype):
     assert torch.equal(no_perm.rowptr, adj.rowptr) and torch.equal(no_perm.col, adj.col)
 
 
+class _Live(TorchDispatchMode):
+    """Peak bytes of the storages ATen ops create while active and that are still alive
+    (``old``'s storage, e.g. the edge index an op returns as is, is not new)."""
+
+    def __init__(self, old):
+        super().__init__()
+        self.live, self.bytes, self.peak = {}, 0, 0
+        self.old = old.untyped_storage().data_ptr()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref() is None]:
+            self.bytes -= self.live.pop(key)[1]
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.data_ptr() not in self.live and st.data_ptr() != self.old:
+                    self.live[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+                    self.bytes += st.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
 def test_building_holds_about_three_edge_long_int64_vectors():
     """The build reads rows and columns back from the sorted keys and, for GAT's loops and
     GCN's normalization, makes no copy of the edge list: at most ~3.5-4 E-long int64 vectors
     at once (6.1 and 7.1 before; 0.94 GiB each at ogbn-products' size)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Live(TorchDispatchMode):
-        def __init__(self, old):
-            super().__init__()
-            self.live, self.bytes, self.peak = {}, 0, 0
-            self.old = old.untyped_storage().data_ptr()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for key in [k for k, (ref, _) in self.live.items() if ref() is None]:
-                self.bytes -= self.live.pop(key)[1]
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in self.live and st.data_ptr() != self.old:
-                        self.live[st.data_ptr()] = (weakref.ref(st), st.nbytes())
-                        self.bytes += st.nbytes()
-            self.peak = max(self.peak, self.bytes)
-            return out
-
     g = torch.Generator().manual_seed(0)
     n, e = 5_000, 200_000
     ei = torch.randint(0, n, (2, e), generator=g)
-    with Live(ei) as live:
+    with _Live(ei) as live:
         adj = get_adjacency(None, ei, n, add_self_loops=True, loop_mode="replace", keep_perm=True)
     assert adj.num_edges >= e
     assert live.peak <= 3.5 * adj.num_edges * 8, live.peak / (adj.num_edges * 8)
     # GCN's normalization too (7.1 before: gcn_norm's copies of the edge list)
-    with Live(ei) as live:
+    with _Live(ei) as live:
         adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True)
     assert live.peak <= 4 * adj.num_edges * 8, live.peak / (adj.num_edges * 8)
 
@@ -276,6 +279,22 @@ def test_bad_inputs():
         get_adjacency(None, ei, n, add_self_loops=False, normalize="row")
     with pytest.raises(TypeError):
         get_adjacency(None, [[0], [1]], n, add_self_loops=False)
+
+
+def test_content_hash_holds_four_chunks_and_leaves_its_input():
+    """The cache's content hash (a graph's first step, on an identity miss) works in chunks
+    of 2^18 elements with four chunk-sized int64 tensors at once (seven of 2^20 before: on a
+    small graph seven edge-index copies, the first step's peak), in place only on its own."""
+    from gact_graph.sparse import adjacency
+
+    ei = torch.randint(0, 10**6, (2, 1_500_000), generator=torch.Generator().manual_seed(1))
+    before = ei.clone()
+    with _Live(ei) as live:
+        h = content_hash(ei)
+    assert torch.equal(ei, before)
+    chunk = adjacency._HASH_CHUNK * 8
+    assert live.peak <= 4 * chunk + 4096, live.peak / chunk
+    assert h == content_hash(ei.to(torch.int32)) and h != content_hash(ei.flip(1))
 
 
 def test_content_hash_distinguishes_and_ignores_width():
