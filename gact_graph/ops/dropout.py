@@ -69,7 +69,6 @@ def _same_draw(grad: Tensor, shape: tuple, dtype: torch.dtype, p: float) -> bool
     return (
         grad.dtype == dtype
         and tuple(grad.shape) == shape
-        and not grad.requires_grad
         and can_regenerate(grad)
         and _kernel_scale_is_exact(grad.device, p)
     )

@@ -957,8 +957,8 @@ class SensitivityProbe:
         a node cannot be run alone (`_runnable`), the rest is one partial backward. The sum
         over parameters is linear in the seeds: walking changes only the order of additions."""
         pending: dict[tuple[int, int], list] = {}
-        self._merge(pending, edges, grads)
-        edges.clear(), grads.clear()
+        self._merge(pending, edges, grads)  # (empties ``grads``)
+        edges.clear()
         while pending:
             node = max((e.node for e, _ in pending.values()), key=lambda n: n._sequence_nr())
             if not self._runnable(node):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import Tensor
 
-__all__ = ["autocast_enabled", "autocast_off"]
+__all__ = ["autocast_enabled", "autocast_off", "add_into"]
 
 
 def autocast_enabled(device: torch.device) -> bool:
@@ -28,3 +29,14 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     if autocast_enabled(device):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def add_into(out: Tensor, t: Tensor) -> Tensor:
+    """``out + t``, written into ``out`` (a fresh result that nothing saved: no second tensor
+    of its size) where the dtype stays what stock's out-of-place sum gives; under autocast an
+    fp16/bf16 product plus an fp32 bias or residual is fp32, so that sum is made out of place.
+    ``out`` must not be a view (in place on a view adds a ``CopySlices`` node to the graph,
+    which clones the gradient in backward)."""
+    if torch.promote_types(out.dtype, t.dtype) == out.dtype:
+        return out.add_(t)
+    return out + t

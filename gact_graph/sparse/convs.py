@@ -28,6 +28,7 @@ from gact_graph.sparse.adjacency import (
     is_torch_sparse,
     pyg_edge_list,
 )
+from gact_graph.sparse.amp import add_into
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 from gact_graph.sparse.spmm import spmm
 
@@ -205,13 +206,8 @@ def patch_gcn_conv(ctl, path: str, module: GCNConv) -> None:
         improved = module.improved
         adj, w = _gcn_adjacency(ctl, module, edge_index, edge_weight, n, x.dtype, improved)
         out = spmm(adj, module.lin(x), w)  # the projection is freed once aggregated
-        bias = module.bias
-        if bias is not None:
-            # in place where the dtype stays what stock's out-of-place sum gives (under
-            # autocast an fp16 product plus an fp32 bias is fp32): the product is a fresh
-            # tensor nothing saved, so no second N x C tensor
-            same = torch.promote_types(out.dtype, bias.dtype) == out.dtype
-            out = out.add_(bias) if same else out + bias
+        if module.bias is not None:
+            out = add_into(out, module.bias)  # the product is fresh: no second N x C tensor
         return out
 
     _patch(ctl, path, module, fused, reason_of)

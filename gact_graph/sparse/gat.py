@@ -76,7 +76,7 @@ from torch_geometric.nn.dense.linear import Linear as PygLinear
 
 from gact_graph.lean import is_lean
 from gact_graph.sparse.adjacency import get_adjacency
-from gact_graph.sparse.amp import autocast_off
+from gact_graph.sparse.amp import add_into, autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 
@@ -846,10 +846,8 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
 
 def _finish(module, out: Tensor, res: Tensor | None) -> Tensor:
     """Stock's end of a GAT layer: heads concatenated (or averaged), plus the residual, plus
-    the bias. The sums go into the edge stage's output, a fresh tensor nothing saved, while it
-    is still N x H x C (in place on a view would add a CopySlices node, which clones the
-    gradient in backward), where the dtype stays what stock's out-of-place sum gives (under
-    autocast a bf16 sum plus an fp32 bias is fp32): no N x H x C sum beside its terms."""
+    the bias, summed into the edge stage's output (`add_into`) while it is still N x H x C,
+    not a view: no N x H x C sum beside its terms."""
     heads, channels = out.shape[1:]
     if module.concat:
         terms = [None if res is None else res.reshape(-1, heads, channels),
@@ -859,8 +857,7 @@ def _finish(module, out: Tensor, res: Tensor | None) -> Tensor:
         terms = [res, module.bias]
     for t in terms:
         if t is not None:
-            same = torch.promote_types(out.dtype, t.dtype) == out.dtype
-            out = out.add_(t) if same else out + t
+            out = add_into(out, t)
     return out.view(-1, heads * channels) if module.concat else out
 
 
