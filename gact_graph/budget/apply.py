@@ -6,7 +6,10 @@ at 1 bit and no segment recomputed (on every model measured, recomputing every C
 1 bit held more than it saved: its fp32 intermediates in backward outweigh the 1-bit tensors
 it spares; `docs/results/budget.md`). It measures what the plan needs: every saved tensor's
 shape (from the controller's records), the step's peak (`StepMeter`), and, once per shape and
-width, the (de)compression time. After the step (at ``ctl.iterate()``) the planner
+width, the (de)compression time. What work done once per graph held while it ran (building
+the adjacency, `gact_graph.once`) is measured apart and in no figure the plan is made from:
+later steps find the adjacency cached (both meters; the history's ``measured`` is the whole
+step, ``repeated`` the step without it). After the step (at ``ctl.iterate()``) the planner
 (`gact_graph.budget.planner`) chooses per unit and the plan holds for every later step with
 inputs of that shape; plans are cached per input shape, so alternating graphs re-profile once
 each (Adacc's policy rectifier re-plans on a size change the same way).
@@ -76,6 +79,7 @@ from typing import Any
 
 import torch
 
+from gact_graph import once
 from gact_graph.budget.planner import (
     Option,
     Plan,
@@ -322,14 +326,20 @@ class BudgetPlanner:
         self._static = self._static_bytes(inputs)
         if self._timer is None:
             self._timer = CodecTimer(device, self.group_size)
+        if self._meter is not None:
+            once.remove_listener(self._meter)
         self._meter = StepMeter(device)
         self._meter.begin()
+        once.add_listener(self._meter)  # until `_end_live`: a graph's adjacency build apart
         self._live = None
         if self._phase == "profile" and device.type != "cuda":
             # CPU: count live tensor bytes through the profile step; the probe's partial
             # backwards (run under `lean_backward`) are kept out of the backward transient,
-            # since planned steps do not probe
-            self._live = LiveBytes(aside=is_lean, exclude=self._static_tensors(inputs))
+            # since planned steps do not probe, and once-per-graph work out of everything a
+            # later step is predicted to hold, since it finds that work's result cached
+            self._live = LiveBytes(
+                aside=is_lean, exclude=self._static_tensors(inputs), once=once.is_once_per_graph
+            )
             self._live.__enter__()
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
@@ -400,7 +410,10 @@ class BudgetPlanner:
     def _end_live(self) -> LiveBytes | None:
         """Take the profile step's `LiveBytes` mode off the dispatch stack (it is pushed when
         the profile forward starts and normally popped by ``iterate``): left on, it would slow
-        every later op of the process by walking the live-tensor table."""
+        every later op of the process by walking the live-tensor table. The step's meter stops
+        listening for once-per-graph work."""
+        if self._meter is not None:
+            once.remove_listener(self._meter)
         live, self._live = self._live, None
         if live is not None:
             live.__exit__(None, None, None)
@@ -523,19 +536,22 @@ class BudgetPlanner:
         live = self._end_live()
         if phase is None or self._forward is None:
             return
-        peak = self._meter.peak()
+        # the whole step (what it held), and outside once-per-graph work (what a later step
+        # with this graph may hold: it finds the adjacency built); planning and the
+        # rectifier go by the second
+        whole, peak = self._meter.peak(), self._meter.peak(once_per_graph=False)
         if peak is None:
-            measured = None
+            measured = whole_measured = None
         elif self._device.type == "cuda":
-            measured = peak
+            measured, whole_measured = peak, whole
         else:
-            measured = peak - self._base
+            measured, whole_measured = peak - self._base, whole - self._base
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
             growth = outside = None
             if live is not None:
-                growth, outside = live.peak, live.outside_peak
+                growth, outside = live.repeated_peak, live.outside_peak
                 # a later profile step (a new shape, a recompute profile) starts with what
                 # an earlier one carried (the optimizer state) and does not create it again
                 self._carried = max(live.created_after_peak(), self._carried_before)
@@ -589,7 +605,8 @@ class BudgetPlanner:
                 "step": ctl.step,
                 "phase": phase,
                 "predicted": predicted,
-                "measured": measured,
+                "measured": whole_measured,
+                "repeated": measured,
                 "accounted": accounted,
                 "rectified": rectified,
             }

@@ -3,6 +3,8 @@ time, and the (de)compression time of each tensor shape at each bit width."""
 
 from __future__ import annotations
 
+import array
+import bisect
 import contextlib
 import gc
 import math
@@ -58,12 +60,20 @@ class StepMeter:
     allocator returns freed memory (``MALLOC_MMAP_THRESHOLD_``); otherwise a step can reuse
     memory freed before it and the growth reads low, which the planner's lower bound on the
     transient covers.
+
+    Work done once per graph (`gact_graph.once`: building the adjacency) is measured apart when
+    the meter listens (`gact_graph.once.add_listener`): the peak is read and reset where such
+    work starts and ends, so ``peak(once_per_graph=False)`` is the step's peak outside it,
+    what a later step with the same graph, which finds it cached, may hold. (The CUDA peak
+    statistics are reset there too, as at the step's start.)
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.start = 0
         self.available = True
+        self._outside = 0  # the peak outside once-per-graph work, before the last reset
+        self._inside = 0  # the peak inside it
 
     def begin(self) -> None:
         if self.device.type == "cuda":
@@ -72,11 +82,38 @@ class StepMeter:
             self.start = torch.cuda.memory_allocated(self.device)
             return
         try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+            self._reset()
             self.start = _rss("VmRSS")
         except OSError:  # not Linux, or no permission: no measurement, the bound stands
             self.available = False
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def _high_water(self) -> int:
+        """The peak since the last reset (0 where it cannot be read)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if not self.available:
+            return 0
+        try:
+            return _rss("VmHWM")
+        except OSError:
+            return 0
+
+    def once_per_graph_started(self) -> None:
+        self._outside = max(self._outside, self._high_water())
+        with contextlib.suppress(OSError):
+            self._reset()
+
+    def once_per_graph_ended(self) -> None:
+        self._inside = max(self._inside, self._high_water())
+        with contextlib.suppress(OSError):
+            self._reset()
 
     def current(self) -> int | None:
         """The resident set now (CPU; None on CUDA or where it cannot be read)."""
@@ -86,17 +123,18 @@ class StepMeter:
             return _rss("VmRSS")
         return None
 
-    def peak(self) -> int | None:
+    def peak(self, once_per_graph: bool = True) -> int | None:
         """The step's peak: absolute on CUDA, the resident set's high-water mark on CPU
-        (None where it cannot be read)."""
+        (None where it cannot be read); ``once_per_graph=False``: outside once-per-graph
+        work."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        if not self.available:
+        elif not self.available:
             return None
-        with contextlib.suppress(OSError):
-            return _rss("VmHWM")
-        return None
+        now = self._high_water()
+        if self.device.type != "cuda" and now == 0:
+            return None
+        return max(now, self._outside, self._inside if once_per_graph else 0)
 
 
 class CodecTimer:
@@ -146,18 +184,25 @@ class LiveBytes(TorchDispatchMode):
     apart: ``outside_peak`` is the peak over the ops outside every window, `close_window`
     returns how far the window rose above the bytes live when it opened. Ops for which
     ``aside()`` is true (the sensitivity probe's own work, which only the profile step runs)
-    count towards ``peak`` and an open window, never towards ``outside_peak``. Storages of
+    count towards ``peak``, ``repeated_peak`` and an open window, never towards
+    ``outside_peak``. Ops for which ``once()`` is true (work done once per graph: building
+    its adjacency, `gact_graph.once`) count towards ``peak`` only: ``repeated_peak`` is the
+    peak over every other op (what they leave alive is counted from then on). Storages of
     ``exclude`` (what exists before the step and is counted apart: parameters, inputs) are
     never counted, even when an op returns a view of them.
-    `created_after_peak` is what is alive now but did not exist at that outside peak (the
-    optimizer state a first step creates after backward: it is there for every later step).
+    `created_after_peak` is what a later step holds beyond ``outside_peak`` because it starts
+    with what this one left alive (the optimizer state a first step creates after backward).
     """
 
     def __init__(
-        self, aside: Callable[[], bool] | None = None, exclude: Iterable[torch.Tensor] = ()
+        self,
+        aside: Callable[[], bool] | None = None,
+        exclude: Iterable[torch.Tensor] = (),
+        once: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
         self._aside = aside
+        self._once = once
         self._exclude = set()
         for t in exclude:
             with contextlib.suppress(RuntimeError, NotImplementedError):
@@ -167,20 +212,37 @@ class LiveBytes(TorchDispatchMode):
         self._serial = 0
         self.bytes = 0
         self.peak = 0
+        self.repeated_peak = 0
         self.outside_peak = 0
         self._window: tuple[int, int] | None = None  # (bytes at its opening, its peak)
-        self._peak_serial = 0  # storages created up to the outside peak have serials <= it
+        # each time the outside bytes reached a new high: the serial of the newest storage
+        # then and the bytes (`created_after_peak` adds what was created after each)
+        self._high_serials = array.array("q")
+        self._high_bytes = array.array("q")
 
     def open_window(self) -> None:
         self._sweep()
         self._window = (self.bytes, self.bytes)
 
     def created_after_peak(self) -> int:
-        """Bytes alive now that were not alive at the outside peak (cyclic garbage collected
-        first: what waits for the collector is not carried)."""
+        """What a later step holds beyond ``outside_peak`` because it starts with what this
+        step left alive: over the moments the outside bytes reached a new high, the most of
+        those bytes plus the bytes alive now that did not exist yet then, less
+        ``outside_peak`` (at least what is alive now and was created after that peak; cyclic
+        garbage collected first: what waits for the collector is not carried). Taken at the
+        peak alone, a storage created before it but after an earlier near-peak (a first
+        step's adjacency, built in the first layer) would be missed there."""
         gc.collect()
         self._sweep()
-        return sum(n for _, n, serial in self._live.values() if serial > self._peak_serial)
+        alive = sorted((serial, n) for _, n, serial in self._live.values())
+        serials = [serial for serial, _ in alive]
+        after = [0] * (len(alive) + 1)  # after[i]: bytes of alive[i:]
+        for i in range(len(alive) - 1, -1, -1):
+            after[i] = after[i + 1] + alive[i][1]
+        most = self.outside_peak
+        for serial, held in zip(self._high_serials, self._high_bytes):
+            most = max(most, held + after[bisect.bisect_right(serials, serial)])
+        return most - self.outside_peak
 
     def alive(self) -> int:
         """Bytes of the storages this mode saw created that are alive now (cyclic garbage
@@ -214,12 +276,16 @@ class LiveBytes(TorchDispatchMode):
                     self._live[ref.cdata] = (ref, storage.nbytes(), self._serial)
                     self.bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
+        if self._once is not None and self._once():
+            return out
+        self.repeated_peak = max(self.repeated_peak, self.bytes)
         if self._window is None:
             if self._aside is not None and self._aside():
                 return out
             if self.bytes > self.outside_peak:
                 self.outside_peak = self.bytes
-                self._peak_serial = self._serial
+                self._high_serials.append(self._serial)
+                self._high_bytes.append(self.bytes)
         else:
             self._window = (self._window[0], max(self._window[1], self.bytes))
         return out

@@ -27,6 +27,8 @@ import torch_geometric.typing as pyg_typing
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gact_graph.once import once_per_graph
+
 __all__ = [
     "CompactAdjacency",
     "AdjacencyCache",
@@ -41,7 +43,16 @@ __all__ = [
 #: Graphs a controller keeps alive between forwards (most recently used); older ones are held
 #: weakly (alive only while autograd still needs them). ``compress_gnn(..., max_graphs=N)``.
 DEFAULT_MAX_GRAPHS = 4
-_HASH_CHUNK = 1 << 18
+
+
+def _hash_chunk(device: torch.device) -> int:
+    """Elements `content_hash` takes at once (the hash does not depend on it): four int64
+    tensors of this many are alive at once, 2 MiB on CPU, where the first step of a small
+    graph is measured by the resident set (at 2^18, 8 MiB: 2.5x the edge index of a
+    4,000-node graph with 50 edges a node, the highest moment its budget planner counted
+    before the adjacency existed); 32 MiB on a GPU, where each chunk costs a dozen kernel
+    launches (ogbn-products' edge index: 236 chunks)."""
+    return 1 << 16 if device.type == "cpu" else 1 << 20
 
 # torch warns once per process that CSR support is "in beta" when we build the transient CSR
 # view of an adjacency; it says nothing to our users, so that one message is silenced.
@@ -191,30 +202,36 @@ class CompactAdjacency:
         if self._symmetric:
             return self
         if self._transpose is None:
-            n, src = self.num_nodes, self.col
-            t_perm = torch.argsort(src, stable=True)
-            t_rowptr = _rowptr_from_sorted_counts(torch.bincount(src, minlength=n), n)
-            t_col = self.dst_index()[t_perm].to(self.col.dtype)
-            t_weight = None if self.weight is None else self.weight[t_perm]
-            symmetric = (
-                torch.equal(t_rowptr, self.rowptr)
-                and torch.equal(t_col, self.col)
-                and (t_weight is None or torch.equal(t_weight, self.weight))
-            )
-            identity = torch.equal(t_perm, _arange_like(t_perm))
-            # Per-call weights (learnable, dropped-out) need the transposed order of the edges.
-            wants_perm = self.weight_is_external or self.perm is not None
-            if symmetric and (identity or not wants_perm):
-                self._symmetric = True
-                self._symmetric_identity = identity
-                return self
-            keep = t_perm.to(_index_dtype(t_perm.numel())) if wants_perm else None
-            self._transpose = CompactAdjacency(n, t_rowptr, t_col, t_weight, keep)
-            del t_perm
-            ctl = self._ctl_ref() if self._ctl_ref is not None else None
-            if ctl is not None:
-                for t in self._transpose.tensors():
-                    ctl.keep_lossless(t, "index")
+            with once_per_graph():  # cached on this object: later steps reuse it
+                return self._build_transpose()
+        return self._transpose
+
+    def _build_transpose(self) -> CompactAdjacency:
+        """`transpose`'s work (the caller checked that none is cached)."""
+        n, src = self.num_nodes, self.col
+        t_perm = torch.argsort(src, stable=True)
+        t_rowptr = _rowptr_from_sorted_counts(torch.bincount(src, minlength=n), n)
+        t_col = self.dst_index()[t_perm].to(self.col.dtype)
+        t_weight = None if self.weight is None else self.weight[t_perm]
+        symmetric = (
+            torch.equal(t_rowptr, self.rowptr)
+            and torch.equal(t_col, self.col)
+            and (t_weight is None or torch.equal(t_weight, self.weight))
+        )
+        identity = torch.equal(t_perm, _arange_like(t_perm))
+        # Per-call weights (learnable, dropped-out) need the transposed order of the edges.
+        wants_perm = self.weight_is_external or self.perm is not None
+        if symmetric and (identity or not wants_perm):
+            self._symmetric = True
+            self._symmetric_identity = identity
+            return self
+        keep = t_perm.to(_index_dtype(t_perm.numel())) if wants_perm else None
+        self._transpose = CompactAdjacency(n, t_rowptr, t_col, t_weight, keep)
+        del t_perm
+        ctl = self._ctl_ref() if self._ctl_ref is not None else None
+        if ctl is not None:
+            for t in self._transpose.tensors():
+                ctl.keep_lossless(t, "index")
         return self._transpose
 
     def transpose_perm(self) -> Tensor | None:
@@ -279,11 +296,12 @@ def content_hash(t: Tensor | None) -> tuple:
     n = flat.numel()
     h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
     h2 = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, n, _HASH_CHUNK):
+    chunk = _hash_chunk(flat.device)
+    for start in range(0, n, chunk):
         # in place where the tensor is this loop's own (``v`` may be the caller's int64 data):
         # four chunk-sized int64 tensors at once, not seven (a graph's first step builds its
         # adjacency, and on a small graph this hash of its edge index was that step's peak)
-        v = _as_int64_values(flat[start : start + _HASH_CHUNK])
+        v = _as_int64_values(flat[start : start + chunk])
         m = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
         m.mul_(_M1).bitwise_xor_(m >> 31).mul_(_M2).bitwise_xor_(m >> 27)
         a = torch.bitwise_xor(v, m).mul_(_M3)
@@ -755,17 +773,18 @@ def get_adjacency(
     c_key = (opts, _content_key(edge_index_or_adj), _content_key(None if external else edge_weight))
     adj = cache.lookup(cache._by_content, c_key)
     if adj is None:
-        adj = _build(
-            edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
-            fill_value, loop_mode, dtype, external, use_values, keep_perm,
-        )  # fmt: skip
+        with once_per_graph():  # later steps with this graph find it cached
+            adj = _build(
+                edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
+                fill_value, loop_mode, dtype, external, use_values, keep_perm,
+            )  # fmt: skip
+            # 3) canonical: the built CSR itself (a COO and a CSR of one matrix meet here).
+            canon = (
+                "csr", adj.num_nodes, external, content_hash(adj.rowptr), content_hash(adj.col),
+                content_hash(adj.weight), None if adj.weight is None else adj.weight.dtype,
+                content_hash(adj.perm),
+            )  # fmt: skip
         cache.builds += 1
-        # 3) canonical: the built CSR itself (a COO and a CSR of one matrix meet here).
-        canon = (
-            "csr", adj.num_nodes, external, content_hash(adj.rowptr), content_hash(adj.col),
-            content_hash(adj.weight), None if adj.weight is None else adj.weight.dtype,
-            content_hash(adj.perm),
-        )  # fmt: skip
         same = cache.lookup(cache._by_content, canon)
         if same is not None:
             adj = same

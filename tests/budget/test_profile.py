@@ -1,10 +1,13 @@
 """What the profile step measures: live tensor bytes (with windows measured apart) and the
 bytes a compressed tensor holds."""
 
+import pytest
 import torch
 
-from gact_graph.budget.profile import LiveBytes, compressed_bytes
+from gact_graph import once
+from gact_graph.budget.profile import LiveBytes, StepMeter, compressed_bytes
 from gact_graph.core.quantize import quantize
+from tests.devices import DEVICES
 
 
 def test_live_bytes_counts_peak_and_frees():
@@ -83,3 +86,61 @@ def test_excluded_storages_are_never_counted_even_through_views():
         y = v * 2  # 4000 new
     assert live.peak == 4000
     assert y.shape == v.shape
+
+
+def test_once_per_graph_work_counts_towards_peak_only():
+    """Building a graph's adjacency (`gact_graph.once`) is in the step's ``peak`` but not in
+    ``repeated_peak`` nor ``outside_peak`` (later steps find it cached); what it leaves alive
+    is counted from then on."""
+    with LiveBytes(once=once.is_once_per_graph) as live:
+        a = torch.ones(1000)  # 4000
+        with once.once_per_graph():
+            scratch = torch.ones(5000)  # +20000, freed inside
+            built = torch.ones(500)  # +2000, kept (the adjacency)
+            del scratch
+            torch.zeros(1)  # the sweep sees the scratch freed
+        b = torch.ones(250)  # 4000 + 2000 + 1000
+    assert live.peak == 26000
+    assert live.repeated_peak == live.outside_peak == 7000
+    assert a.numel() + b.numel() + built.numel() == 1750
+
+
+def test_created_after_peak_counts_what_came_after_an_earlier_near_peak():
+    """A storage created before the outside peak but after an earlier moment almost as high
+    (a first step's adjacency, built in the first layer after its input's transients) is
+    held at that moment too by a later step, which starts with it."""
+    with LiveBytes() as live:
+        a = torch.ones(2500)  # 10000: a near-peak early
+        del a
+        kept = torch.ones(2000)  # 8000 created after it, alive at the end
+        b = torch.ones(750)  # 8000 + 3000 = 11000: the outside peak
+        del b
+        torch.zeros(1)
+    assert live.outside_peak == 11000
+    # a later step: 10000 at the early moment + 8000 it already holds = 18000
+    assert live.created_after_peak() == 18000 - 11000 and kept.numel() == 2000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_meter_reads_once_per_graph_work_apart(device):
+    """A listening meter's ``peak()`` is the whole step's, ``peak(once_per_graph=False)``
+    leaves out what once-per-graph work held (CPU: the resident set; CUDA: the allocator)."""
+    mib = 2**20
+    meter = StepMeter(torch.device(device))
+    meter.begin()
+    if not meter.available:
+        pytest.skip("no /proc/self/clear_refs here")
+    once.add_listener(meter)
+    try:
+        before = torch.ones(8 * mib // 4, device=device)  # 8 MiB, touched
+        with once.once_per_graph():
+            built = torch.ones(mib // 4, device=device)  # 1 MiB kept: the adjacency
+            scratch = torch.ones(64 * mib // 4, device=device)  # 64 MiB, freed inside
+            del scratch
+        after = torch.ones(4 * mib // 4, device=device)
+    finally:
+        once.remove_listener(meter)
+    whole, repeated = meter.peak() - meter.start, meter.peak(once_per_graph=False) - meter.start
+    assert whole >= 64 * mib, whole / mib  # the scratch in it
+    assert 11 * mib <= repeated < 32 * mib, repeated / mib  # 8 + 4 (+ 1) and some slack
+    assert before.numel() + built.numel() + after.numel() > 0

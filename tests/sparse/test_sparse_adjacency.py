@@ -250,6 +250,38 @@ def test_cache_is_bounded_and_does_not_keep_graphs_alive():
     assert all(r() is None for r in refs)
 
 
+def test_building_is_once_per_graph_work_and_a_cache_hit_is_not():
+    """The budget planner's meters measure a graph's adjacency build apart (later steps find
+    it cached): the build and the transpose run inside `gact_graph.once.once_per_graph`, a
+    cache hit (same tensors, or equal ones: hashed) does not."""
+    from gact_graph import once
+
+    class Ear:
+        heard = 0
+
+        def once_per_graph_started(self):
+            self.heard += 1
+
+        def once_per_graph_ended(self):
+            pass
+
+    ctl, ear = _ctl(), Ear()
+    ei, n = _awkward_graph()
+    once.add_listener(ear)
+    try:
+        adj = get_adjacency(ctl, ei, n, add_self_loops=False)
+        assert ear.heard == 1
+        assert get_adjacency(ctl, ei, n, add_self_loops=False) is adj  # identity hit
+        assert get_adjacency(ctl, ei.clone(), n, add_self_loops=False) is adj  # content hit
+        assert ear.heard == 1
+        adj.transpose()
+        adj.transpose()
+        assert ear.heard == 2
+    finally:
+        once.remove_listener(ear)
+    ctl.remove()
+
+
 def test_transpose_and_symmetric_graphs():
     ei, n = _awkward_graph()
     w = torch.rand(ei.size(1))
@@ -281,10 +313,11 @@ def test_bad_inputs():
         get_adjacency(None, [[0], [1]], n, add_self_loops=False)
 
 
-def test_content_hash_holds_four_chunks_and_leaves_its_input():
+def test_content_hash_holds_four_chunks_and_leaves_its_input(monkeypatch):
     """The cache's content hash (a graph's first step, on an identity miss) works in chunks
-    of 2^18 elements with four chunk-sized int64 tensors at once (seven of 2^20 before: on a
-    small graph seven edge-index copies, the first step's peak), in place only on its own."""
+    (2^16 elements on CPU) with four chunk-sized int64 tensors at once (seven of 2^20 before:
+    on a small graph seven edge-index copies, the first step's peak), in place only on its
+    own; its value does not depend on the chunk size (CPU and GPU chunks differ)."""
     from gact_graph.sparse import adjacency
 
     ei = torch.randint(0, 10**6, (2, 1_500_000), generator=torch.Generator().manual_seed(1))
@@ -292,9 +325,12 @@ def test_content_hash_holds_four_chunks_and_leaves_its_input():
     with _Live(ei) as live:
         h = content_hash(ei)
     assert torch.equal(ei, before)
-    chunk = adjacency._HASH_CHUNK * 8
+    chunk = adjacency._hash_chunk(ei.device) * 8
+    assert chunk <= 2**19
     assert live.peak <= 4 * chunk + 4096, live.peak / chunk
     assert h == content_hash(ei.to(torch.int32)) and h != content_hash(ei.flip(1))
+    monkeypatch.setattr(adjacency, "_hash_chunk", lambda device: 12_345)
+    assert content_hash(ei) == h
 
 
 def test_content_hash_distinguishes_and_ignores_width():
