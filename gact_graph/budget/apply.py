@@ -7,9 +7,8 @@ at 1 bit and no segment recomputed (on every model measured, recomputing every C
 it spares; `docs/results/budget.md`). It measures what the plan needs: every saved tensor's
 shape (from the controller's records), the step's peak (`StepMeter`), and, once per shape and
 width, the (de)compression time. What work done once per graph held while it ran (building
-the adjacency, `gact_graph.once`) is measured apart and in no figure the plan is made from:
-later steps find the adjacency cached (both meters; the history's ``measured`` is the whole
-step, ``repeated`` the step without it). After the step (at ``ctl.iterate()``) the planner
+the adjacency, `gact_graph.once`) is counted apart (CPU) and in no figure the plan is made
+from: later steps find the adjacency cached. After the step (at ``ctl.iterate()``) the planner
 (`gact_graph.budget.planner`) chooses per unit and the plan holds for every later step with
 inputs of that shape; plans are cached per input shape, so alternating graphs re-profile once
 each (Adacc's policy rectifier re-plans on a size change the same way).
@@ -79,7 +78,6 @@ from typing import Any
 
 import torch
 
-from gact_graph import once
 from gact_graph.budget.planner import (
     Option,
     Plan,
@@ -99,6 +97,7 @@ from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
 from gact_graph.lean import is_lean
+from gact_graph.once import is_once_per_graph
 from gact_graph.policy.adaptive import allocate_bits, budget_bits, tensor_costs
 from gact_graph.policy.levels import CheckpointManager, SwapManager
 from gact_graph.policy.sensitivity import S
@@ -326,11 +325,8 @@ class BudgetPlanner:
         self._static = self._static_bytes(inputs)
         if self._timer is None:
             self._timer = CodecTimer(device, self.group_size)
-        if self._meter is not None:
-            once.remove_listener(self._meter)
         self._meter = StepMeter(device)
         self._meter.begin()
-        once.add_listener(self._meter)  # until `_end_live`: a graph's adjacency build apart
         self._live = None
         if self._phase == "profile" and device.type != "cuda":
             # CPU: count live tensor bytes through the profile step; the probe's partial
@@ -338,7 +334,7 @@ class BudgetPlanner:
             # since planned steps do not probe, and once-per-graph work out of everything a
             # later step is predicted to hold, since it finds that work's result cached
             self._live = LiveBytes(
-                aside=is_lean, exclude=self._static_tensors(inputs), once=once.is_once_per_graph
+                aside=is_lean, exclude=self._static_tensors(inputs), once=is_once_per_graph
             )
             self._live.__enter__()
         if self._base is None and device.type != "cuda":
@@ -410,10 +406,7 @@ class BudgetPlanner:
     def _end_live(self) -> LiveBytes | None:
         """Take the profile step's `LiveBytes` mode off the dispatch stack (it is pushed when
         the profile forward starts and normally popped by ``iterate``): left on, it would slow
-        every later op of the process by walking the live-tensor table. The step's meter stops
-        listening for once-per-graph work."""
-        if self._meter is not None:
-            once.remove_listener(self._meter)
+        every later op of the process by walking the live-tensor table."""
         live, self._live = self._live, None
         if live is not None:
             live.__exit__(None, None, None)
@@ -536,22 +529,21 @@ class BudgetPlanner:
         live = self._end_live()
         if phase is None or self._forward is None:
             return
-        # the whole step (what it held), and outside once-per-graph work (what a later step
-        # with this graph may hold: it finds the adjacency built); planning and the
-        # rectifier go by the second
-        whole, peak = self._meter.peak(), self._meter.peak(once_per_graph=False)
+        peak = self._meter.peak()
         if peak is None:
-            measured = whole_measured = None
+            measured = None
         elif self._device.type == "cuda":
-            measured, whole_measured = peak, whole
+            measured = peak
         else:
-            measured, whole_measured = peak - self._base, whole - self._base
+            measured = peak - self._base
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
             growth = outside = None
+            once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
             if live is not None:
                 growth, outside = live.repeated_peak, live.outside_peak
+                once_only = live.peak - live.repeated_peak
                 # a later profile step (a new shape, a recompute profile) starts with what
                 # an earlier one carried (the optimizer state) and does not create it again
                 self._carried = max(live.created_after_peak(), self._carried_before)
@@ -574,8 +566,9 @@ class BudgetPlanner:
                 # resident set holds besides them (Python objects, the allocator) is there
                 # in every step, so the first plan already counts it, and the profile
                 # step's own setting is admitted only by what it really held (less the
-                # probe's tensors, which it held too)
-                correction = max(0, measured - probe - profile_peak)
+                # probe's tensors, which it held too). The resident set's peak is the whole
+                # step's, once-per-graph work included: compared with the whole step's count
+                correction = max(0, measured - probe - once_only - profile_peak)
                 now = self._meter.current()
                 if now is not None and live is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
@@ -585,7 +578,7 @@ class BudgetPlanner:
                     # the planned steps then held 13 MiB beyond theirs)
                     retained = now - self._base - self._static - live.alive()
                     correction = max(correction, retained)
-                profile_peak = max(profile_peak + correction, measured - probe)
+                profile_peak += correction  # at least the measured peak less probe and build
             state = self._plan_from_profile(growth, outside, profile_peak, correction)
             if state is not None:
                 self._pause_probes()
@@ -605,8 +598,7 @@ class BudgetPlanner:
                 "step": ctl.step,
                 "phase": phase,
                 "predicted": predicted,
-                "measured": whole_measured,
-                "repeated": measured,
+                "measured": measured,
                 "accounted": accounted,
                 "rectified": rectified,
             }

@@ -60,20 +60,12 @@ class StepMeter:
     allocator returns freed memory (``MALLOC_MMAP_THRESHOLD_``); otherwise a step can reuse
     memory freed before it and the growth reads low, which the planner's lower bound on the
     transient covers.
-
-    Work done once per graph (`gact_graph.once`: building the adjacency) is measured apart when
-    the meter listens (`gact_graph.once.add_listener`): the peak is read and reset where such
-    work starts and ends, so ``peak(once_per_graph=False)`` is the step's peak outside it,
-    what a later step with the same graph, which finds it cached, may hold. (The CUDA peak
-    statistics are reset there too, as at the step's start.)
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.start = 0
         self.available = True
-        self._outside = 0  # the peak outside once-per-graph work, before the last reset
-        self._inside = 0  # the peak inside it
 
     def begin(self) -> None:
         if self.device.type == "cuda":
@@ -82,38 +74,11 @@ class StepMeter:
             self.start = torch.cuda.memory_allocated(self.device)
             return
         try:
-            self._reset()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
             self.start = _rss("VmRSS")
         except OSError:  # not Linux, or no permission: no measurement, the bound stands
             self.available = False
-
-    def _reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-    def _high_water(self) -> int:
-        """The peak since the last reset (0 where it cannot be read)."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        if not self.available:
-            return 0
-        try:
-            return _rss("VmHWM")
-        except OSError:
-            return 0
-
-    def once_per_graph_started(self) -> None:
-        self._outside = max(self._outside, self._high_water())
-        with contextlib.suppress(OSError):
-            self._reset()
-
-    def once_per_graph_ended(self) -> None:
-        self._inside = max(self._inside, self._high_water())
-        with contextlib.suppress(OSError):
-            self._reset()
 
     def current(self) -> int | None:
         """The resident set now (CPU; None on CUDA or where it cannot be read)."""
@@ -123,18 +88,17 @@ class StepMeter:
             return _rss("VmRSS")
         return None
 
-    def peak(self, once_per_graph: bool = True) -> int | None:
+    def peak(self) -> int | None:
         """The step's peak: absolute on CUDA, the resident set's high-water mark on CPU
-        (None where it cannot be read); ``once_per_graph=False``: outside once-per-graph
-        work."""
+        (None where it cannot be read)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elif not self.available:
+            return torch.cuda.max_memory_allocated(self.device)
+        if not self.available:
             return None
-        now = self._high_water()
-        if self.device.type != "cuda" and now == 0:
-            return None
-        return max(now, self._outside, self._inside if once_per_graph else 0)
+        with contextlib.suppress(OSError):
+            return _rss("VmHWM")
+        return None
 
 
 class CodecTimer:

@@ -339,14 +339,11 @@ def test_config_validates_the_budget():
 def _over_budget_once(monkeypatch, planner, measured: int) -> None:
     """The next step's meter reads ``measured`` (the planner's CPU figure: above its base)."""
     real = StepMeter.peak
-    first = []
+    calls = []
 
-    def peak(meter, once_per_graph=True):
-        if not first:
-            first.append(meter)
-        if meter is first[0]:  # every reading of that step's meter
-            return planner._base + measured
-        return real(meter, once_per_graph)
+    def peak(meter):
+        calls.append(1)
+        return planner._base + measured if len(calls) == 1 else real(meter)
 
     monkeypatch.setattr(StepMeter, "peak", peak)
 
@@ -361,7 +358,7 @@ def test_a_planned_step_over_the_budget_re_plans_with_the_miss(least, monkeypatc
     ctl = compress_gnn(model, memory_budget=budget, budget_rectify=True, budget_margin=0.0)
     graph = _graph(600)
     with monkeypatch.context() as mp:  # the profile step unmeasured: no correction from it
-        mp.setattr(StepMeter, "peak", lambda meter, once_per_graph=True: None)
+        mp.setattr(StepMeter, "peak", lambda meter: None)
         opt = _train(model, ctl, graph, 2)  # profile, then one planned step
     planner, state = ctl.budget, ctl.budget.plan_state
     assert state.rectified == 0 and state.correction == 0
@@ -432,7 +429,7 @@ def test_budget_rectify_is_validated():
 
 def _fake_meter(monkeypatch, planner_of, extra: int, kept: int | None = None) -> list:
     """The profile step's meter reads its counted tensors plus ``extra`` bytes at the peak
-    (outside once-per-graph work where asked) and, at rest, every live tensor plus ``kept`` (None: no reading at rest); ``planner_of()``
+    and, at rest, every live tensor plus ``kept`` (None: no reading at rest); ``planner_of()``
     is the planner in use. Returns the profile steps' `LiveBytes` modes, in order."""
     ended = []
     end_live = BudgetPlanner._end_live
@@ -441,12 +438,9 @@ def _fake_meter(monkeypatch, planner_of, extra: int, kept: int | None = None) ->
         ended.append(end_live(self))
         return ended[-1]
 
-    def peak(meter, once_per_graph=True):
+    def peak(meter):
         planner, live = planner_of(), ended[-1] if ended else None
-        if live is None:
-            return None
-        held = live.peak if once_per_graph else live.repeated_peak
-        return planner._base + planner._rest() + held + extra
+        return None if live is None else planner._base + planner._rest() + live.peak + extra
 
     def current(meter):
         planner = planner_of()
@@ -520,17 +514,22 @@ def test_what_a_later_step_holds_leaves_the_profile_steps_probe_out(monkeypatch)
     ctl.remove()
 
 
-def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(least, monkeypatch):
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(
+    least, monkeypatch, trusted
+):
     """A graph's first step builds its adjacency, later steps find it cached: what the build
-    held while it ran (`gact_graph.once`) is in no figure the plan is made from. Counted in,
-    a build holding 32 MiB would have raised every prediction and the named least budget by
-    32 MiB (CPU: 4,000 nodes with 50 edges a node, the hash of the edge index while building
-    was the moment with the most counted bytes before the adjacency existed)."""
+    held while it ran (`gact_graph.once`) is in no figure the plan is made from, neither
+    counted nor, with the rectifier's trusted meter, in the correction from the measured peak
+    (which is the whole step's). Counted in, a build holding 32 MiB raises every prediction
+    and the named least budget by 32 MiB."""
     from gact_graph.sparse import adjacency
 
     def run():
         model = _model()
-        ctl = compress_gnn(model, memory_budget=int(least[0] * 4))
+        ctl = compress_gnn(model, memory_budget=int(least[0] * 4), budget_rectify=trusted)
+        if trusted:  # the meter reads every counted byte, the build's included
+            _fake_meter(monkeypatch, lambda: ctl.budget, extra=0)
         _train(model, ctl, _graph(600), 1)
         st = ctl.budget.plan_state
         ctl.remove()

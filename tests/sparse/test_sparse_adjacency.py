@@ -250,35 +250,39 @@ def test_cache_is_bounded_and_does_not_keep_graphs_alive():
     assert all(r() is None for r in refs)
 
 
-def test_building_is_once_per_graph_work_and_a_cache_hit_is_not():
-    """The budget planner's meters measure a graph's adjacency build apart (later steps find
-    it cached): the build and the transpose run inside `gact_graph.once.once_per_graph`, a
-    cache hit (same tensors, or equal ones: hashed) does not."""
-    from gact_graph import once
+def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
+    """The budget planner counts a graph's adjacency build apart (later steps find it
+    cached): the build, its canonical hash and the transpose run inside
+    `gact_graph.once.once_per_graph`; a cache hit (same tensors, or equal ones: hashed) builds
+    nothing."""
+    from gact_graph.once import is_once_per_graph
+    from gact_graph.sparse import adjacency
 
-    class Ear:
-        heard = 0
+    seen = []
+    for owner, name in ((adjacency, "_build"), (adjacency, "content_hash"),
+                        (adjacency.CompactAdjacency, "_build_transpose")):  # fmt: skip
+        real = getattr(owner, name)
 
-        def once_per_graph_started(self):
-            self.heard += 1
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, is_once_per_graph()))
+            return _real(*args, **kwargs)
 
-        def once_per_graph_ended(self):
-            pass
-
-    ctl, ear = _ctl(), Ear()
+        monkeypatch.setattr(owner, name, spy)
+    ctl = _ctl()
     ei, n = _awkward_graph()
-    once.add_listener(ear)
-    try:
-        adj = get_adjacency(ctl, ei, n, add_self_loops=False)
-        assert ear.heard == 1
-        assert get_adjacency(ctl, ei, n, add_self_loops=False) is adj  # identity hit
-        assert get_adjacency(ctl, ei.clone(), n, add_self_loops=False) is adj  # content hit
-        assert ear.heard == 1
-        adj.transpose()
-        adj.transpose()
-        assert ear.heard == 2
-    finally:
-        once.remove_listener(ear)
+    adj = get_adjacency(ctl, ei, n, add_self_loops=False)
+    built = [s for s in seen if s[0] == "_build"]
+    assert built == [("_build", True)]
+    assert ("content_hash", True) in seen  # the built CSR's canonical hash
+    seen.clear()
+    assert get_adjacency(ctl, ei, n, add_self_loops=False) is adj  # identity hit
+    assert get_adjacency(ctl, ei.clone(), n, add_self_loops=False) is adj  # content hit
+    # only the new tensor's hash, outside: it recurs when a loop makes new tensors each step
+    assert seen and all(s == ("content_hash", False) for s in seen)
+    seen.clear()
+    adj.transpose()
+    adj.transpose()
+    assert seen == [("_build_transpose", True)]
     ctl.remove()
 
 
