@@ -20,13 +20,14 @@ ALLOWED = {
     "kernels": set(),
     "config": set(),
     "core": {"kernels", "config"},
-    "sparse": {"config", "lean"},
+    "sparse": {"config", "lean", "once"},
     # core: RowChunked, which BatchNorm's backward reads in the probe's partial backwards
     "ops": {"core", "config", "lean"},
     "policy": {"core", "kernels", "config", "lean"},
     "api": {"config", "core", "policy", "ops", "sparse", "budget"},
-    # the memory-budget planner; lean: its profile step sets the probe's work aside
-    "budget": {"core", "kernels", "config", "policy", "lean"},
+    # the memory-budget planner; lean, once: its profile step sets the probe's work and a
+    # graph's adjacency build aside
+    "budget": {"core", "kernels", "config", "policy", "lean", "once"},
     "memory": {"config", "core"},
     "integrations": {"api", "config", "core", "sparse"},
     "models": set(),
@@ -34,6 +35,7 @@ ALLOWED = {
     "_moved": set(),
     "cpus": set(),
     "lean": set(),  # the switch the probe sets and the attention backward reads
+    "once": set(),  # the switch around a graph's adjacency build, which the planner reads
 }
 
 
