@@ -2,11 +2,18 @@
 tensor keep / compress at b bits / recompute / swap so that a training step fits and runs
 fastest. `planner` holds the program, `profile` the measurements, `apply` the wiring."""
 
-from gact_graph.budget.apply import DEFAULT_MARGIN, BudgetError, BudgetPlanner, attach_budget
+from gact_graph.budget.apply import (
+    DEFAULT_MARGIN,
+    NAMED_SLACK,
+    BudgetError,
+    BudgetPlanner,
+    attach_budget,
+)
 from gact_graph.budget.planner import Option, Plan, Unit, greedy_plan, smallest_memory, solve_plan
 
 __all__ = [
     "DEFAULT_MARGIN",
+    "NAMED_SLACK",
     "BudgetError",
     "BudgetPlanner",
     "attach_budget",

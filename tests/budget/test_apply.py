@@ -2,6 +2,7 @@
 raises before training naming the smallest feasible one, a new graph size re-plans, and a
 budget that allows everything kept gives stock's gradients."""
 
+import math
 import subprocess
 import sys
 import warnings
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph import compress_gnn
-from gact_graph.budget import DEFAULT_MARGIN, BudgetError, BudgetPlanner
+from gact_graph.budget import DEFAULT_MARGIN, NAMED_SLACK, BudgetError, BudgetPlanner
 from gact_graph.budget.profile import LiveBytes, StepMeter
 from gact_graph.config import CompressionConfig, format_bytes, parse_bytes
 from gact_graph.models import build_model
@@ -76,8 +77,9 @@ def test_named_smallest_budget_is_within_what_the_profile_step_measured(least):
     budget, st = least
     assert st.relaxed == ""  # 1 GiB: the accuracy bound holds
     assert 0 < st.lower_bound <= st.profile_peak  # the forward's check refuses no met budget
-    assert budget <= st.profile_peak  # a budget the 1-bit profile step met is admitted
-    assert budget <= st.predicted / (1 - DEFAULT_MARGIN)
+    # a budget the 1-bit profile step met is admitted; the named one is that plus the slack
+    assert st.profile_peak < budget <= math.ceil(st.profile_peak * (1 + NAMED_SLACK))
+    assert budget <= math.ceil(st.predicted / (1 - DEFAULT_MARGIN) * (1 + NAMED_SLACK))
 
 
 def test_budget_is_respected_and_tighter_budget_compresses(least):
@@ -211,8 +213,8 @@ def test_below_what_compressing_alone_needs_a_recompute_profile_decides(least):
     assert err.least_budget <= least[0]
     assert "without recomputation" in str(err) and "every segment recomputed" in str(err)
     assert f"smallest feasible budget is {format_bytes(err.least_budget)} " in str(err)
-    # one byte below the named figure: refused again, naming the same figure
-    again, _ = _refused(err.least_budget - 1)
+    # below what the named figure's slack was added to: refused again, naming the same
+    again, _ = _refused(int(err.least_budget / (1 + NAMED_SLACK)) - 1)
     assert again.least_budget == err.least_budget
     # at it: admitted
     model = _model()
