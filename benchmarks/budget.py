@@ -12,7 +12,9 @@ two.
 - stock: no compression; its peak sets the budgets (``--fractions``, default 30/10/5 %);
 - brute force: fixed ``bits`` in {1, 2, 4, 8} x ``opt_level`` in {L1, CB1} (``adaptive=False``;
   L2 only on CUDA, so not here);
-- planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference).
+- planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference);
+  where it refuses B, a further run at the budget the refusal names (``BudgetError
+  .least_budget``) checks that the named figure is admitted and met.
 
     python benchmarks/budget.py [--models gcn gat gcnii gcnii64 gcnii64-8k] \
         [--json docs/results/budget.json]
@@ -150,7 +152,7 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
     try:
         peaks, times, probed, starts, extra = one_run(n, layers, setting, steps, base)
     except BudgetError as exc:
-        out.update(error=str(exc))
+        out.update(error=str(exc), least_budget=exc.least_budget)
         return out
     out.update(peaks=peaks, starts=starts, times=times, probed=probed, peak=max(peaks))
     out["extra"] = extra
@@ -264,6 +266,10 @@ def main() -> None:
             fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
+            if plan.get("least_budget"):  # refused: is the figure it names admitted and met?
+                named = plan["least_budget"]
+                entry["at_named"] = _run(model, {"memory_budget": named, **extra_setting},
+                                         args.steps)  # fmt: skip
             row["budgets"].append(entry)
             met = "peak" in plan and plan["peak"] <= budget
             ms = {}
@@ -289,6 +295,15 @@ def main() -> None:
             if "error" in plan:
                 lines = plan["error"].strip().splitlines() or [""]
                 print(f"         planner: {lines[-1][-400:]}")
+                again = entry.get("at_named")
+                if again is not None:
+                    named = plan["least_budget"]
+                    if "peak" in again:
+                        ok = "met" if again["peak"] <= named else "NOT met"
+                        said = f"admitted, every step at most {_mib(again['peak'])} MiB: {ok}"
+                    else:
+                        said = "REFUSED: " + again.get("error", "")[:200]
+                    print(f"         at the named {_mib(named)} MiB: {said}")
             else:
                 probes = [i for i, p in enumerate(plan["probed"]) if p]
                 times = " ".join(f"{1e3 * t:.0f}" for t in plan["times"])
