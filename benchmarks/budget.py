@@ -13,8 +13,9 @@ two.
 - brute force: fixed ``bits`` in {1, 2, 4, 8} x ``opt_level`` in {L1, CB1} (``adaptive=False``;
   L2 only on CUDA, so not here);
 - planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference);
-  where it refuses B, a further run at the budget the refusal names (``BudgetError
-  .least_budget``) checks that the named figure is admitted and met.
+  where it refuses B naming a budget it admits (``BudgetError.least_budget``; not a lower
+  bound from the forward's shapes, ``exact=False``), a further run at that budget checks that
+  it is admitted and met.
 
     python benchmarks/budget.py [--models gcn gat gcnii gcnii64 gcnii64-8k] \
         [--json docs/results/budget.json]
@@ -152,7 +153,7 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
     try:
         peaks, times, probed, starts, extra = one_run(n, layers, setting, steps, base)
     except BudgetError as exc:
-        out.update(error=str(exc), least_budget=exc.least_budget)
+        out.update(error=str(exc), least_budget=exc.least_budget, exact=exc.exact)
         return out
     out.update(peaks=peaks, starts=starts, times=times, probed=probed, peak=max(peaks))
     out["extra"] = extra
@@ -266,7 +267,7 @@ def main() -> None:
             fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
-            if plan.get("least_budget"):  # refused: is the figure it names admitted and met?
+            if plan.get("exact"):  # refused naming a figure it admits: admitted and met?
                 named = plan["least_budget"]
                 entry["at_named"] = _run(model, {"memory_budget": named, **extra_setting},
                                          args.steps)  # fmt: skip

@@ -5,6 +5,7 @@ fastest. `planner` holds the program, `profile` the measurements, `apply` the wi
 from gact_graph.budget.apply import (
     DEFAULT_MARGIN,
     NAMED_SLACK,
+    NAMED_SLACK_BYTES,
     BudgetError,
     BudgetPlanner,
     attach_budget,
@@ -14,6 +15,7 @@ from gact_graph.budget.planner import Option, Plan, Unit, greedy_plan, smallest_
 __all__ = [
     "DEFAULT_MARGIN",
     "NAMED_SLACK",
+    "NAMED_SLACK_BYTES",
     "BudgetError",
     "BudgetPlanner",
     "attach_budget",
