@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import threading
 
-_STATE = threading.local()
+from gact_graph.switch import ThreadSwitch
+
+_STATE = threading.local()  # the scratch tensors
+_LEAN = ThreadSwitch()
 
 
 def is_lean() -> bool:
     """Whether the current thread runs inside `lean_backward`."""
-    return getattr(_STATE, "depth", 0) > 0
+    return _LEAN.is_on()
 
 
 def is_scratch(t) -> bool:
@@ -40,11 +43,7 @@ def scratch(*tensors):
         _STATE.scratch = prev
 
 
-@contextlib.contextmanager
 def lean_backward():
-    """Backward kernels run inside prefer their lower-memory variant (nests)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
+    """Backward kernels run inside prefer their lower-memory variant (a context manager;
+    nests)."""
+    return _LEAN.on()

@@ -10,24 +10,18 @@ budget planner, which predicts later steps from the first (its profile step), co
 
 from __future__ import annotations
 
-import contextlib
-import threading
+from gact_graph.switch import ThreadSwitch
 
 __all__ = ["is_once_per_graph", "once_per_graph"]
 
-_STATE = threading.local()
+_ONCE = ThreadSwitch()
 
 
 def is_once_per_graph() -> bool:
     """Whether the current thread runs inside `once_per_graph`."""
-    return getattr(_STATE, "depth", 0) > 0
+    return _ONCE.is_on()
 
 
-@contextlib.contextmanager
 def once_per_graph():
-    """Work inside is done once per graph (nests)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
+    """Work inside is done once per graph (a context manager; nests)."""
+    return _ONCE.on()

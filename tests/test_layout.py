@@ -34,8 +34,9 @@ ALLOWED = {
     "datasets": set(),
     "_moved": set(),
     "cpus": set(),
-    "lean": set(),  # the switch the probe sets and the attention backward reads
-    "once": set(),  # the switch around a graph's adjacency build, which the planner reads
+    "lean": {"switch"},  # the switch the probe sets and the attention backward reads
+    "once": {"switch"},  # the switch around a graph's adjacency build, which the planner reads
+    "switch": set(),  # the thread-local switch both are
 }
 
 
