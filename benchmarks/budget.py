@@ -9,6 +9,14 @@ run's *peak* is the largest resident set above that baseline over **every** step
 planner's profile step included); its *step time* is the median of the steps after the first
 two.
 
+Each planner run that trains (and each rerun at a named budget that is admitted) runs again in a
+fresh process with its tensor bytes counted (``--count``): before every step the tensors alive
+(parameters, optimizer state, inputs, the cached adjacency; found through ``gc``), plus the
+peak of what the step creates and still holds, counted at every op
+(`gact_graph.budget.profile.LiveBytes`). That is the byte accounting next to the resident set,
+and the figure a GPU's ``max_memory_allocated`` follows; it is the worst step's. A budget is
+*met* when both the resident set and the counted bytes stay within it in every step.
+
 - stock: no compression; its peak sets the budgets (``--fractions``, default 30/10/5 %);
 - brute force: fixed ``bits`` in {1, 2, 4, 8} x ``opt_level`` in {L1, CB1} (``adaptive=False``;
   L2 only on CUDA, so not here);
@@ -89,9 +97,37 @@ def _graph(n: int, f: int = 16, seed: int = 0, classes: int = 8, degree: float =
     return x, ei, y
 
 
-def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
+def _tensors_alive(before=()):
+    """Every CPU tensor reachable from Python now, one per storage, and their bytes (between
+    two steps that is everything a step starts with: parameters, optimizer state, inputs,
+    cached adjacency); storages of ``before`` (the baseline's) left out."""
+    import gc
+
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    gc.collect()
+    seen = {StorageWeakRef(t.untyped_storage()).cdata: (t, 0) for t in before}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided:
+            continue
+        if obj.device.type != "cpu":
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        seen.setdefault(StorageWeakRef(storage).cdata, (obj, storage.nbytes()))
+    return [t for t, n in seen.values() if n], sum(n for _, n in seen.values())
+
+
+def _train(model_key: str, setting: dict | None, n: int, steps: int, count: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
+
+    from gact_graph.budget.profile import LiveBytes
+
+    before = []  # count: the tensors alive at the baseline (kept alive, so never re-used)
 
     from benchmarks.harness import build_model
     from gact_graph import compress_gnn
@@ -109,22 +145,36 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
         ctl = compress_gnn(model, **setting) if setting is not None else None
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         peaks, times, probed, starts = [], [], [], []
+        counted = []  # count=True: each step's peak of tensor bytes (what existed + created)
         adapter = getattr(ctl, "adapter", None)
         try:
             for _ in range(steps):
                 seen = getattr(adapter, "n_estimates", 0)
+                meter = None
+                if count:
+                    opt.zero_grad(set_to_none=True)  # the step's own first act, not counted
+                    held, held_bytes = _tensors_alive(before)
+                    meter = LiveBytes(exclude=held + before)
+                    del held
+                    meter.__enter__()
                 with open("/proc/self/clear_refs", "w") as fh:
                     fh.write("5")
                 starts.append(_rss("VmRSS") - record)
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x, ei), y).backward()
-                opt.step()
-                if ctl is not None:
-                    ctl.iterate()
+                try:
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(model(x, ei), y).backward()
+                    opt.step()
+                    if ctl is not None:
+                        ctl.iterate()
+                finally:
+                    if meter is not None:
+                        meter.__exit__(None, None, None)
                 times.append(time.perf_counter() - t0)
                 peaks.append(_rss("VmHWM") - record)
                 probed.append(getattr(adapter, "n_estimates", 0) != seen)
+                if meter is not None:
+                    counted.append(held_bytes + meter.peak)
         finally:
             extra = {}
             if ctl is not None and getattr(ctl, "budget", None) is not None:
@@ -137,6 +187,8 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
                     }
             if ctl is not None:
                 ctl.remove()
+        if count:
+            extra["counted"] = counted
         return peaks, times, probed, starts, extra
 
     warm = {"bits": 1, "adaptive": False, "opt_level": "CB1"}
@@ -149,6 +201,8 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int) -> dict:
 
     gc.collect()
     base = _rss("VmRSS")
+    if count:  # the tensors of the baseline are not the run's, as in the resident set
+        before.extend(_tensors_alive()[0])
     out = {"model": model_key, "setting": setting, "nodes": n}
     try:
         peaks, times, probed, starts, extra = one_run(n, layers, setting, steps, base)
@@ -194,19 +248,32 @@ def _child(args) -> None:
 
     torch.set_num_threads(1)
     setting = json.loads(args.setting)
-    res = _train(args.model, setting, MODELS[args.model][2], args.steps)
+    res = _train(args.model, setting, MODELS[args.model][2], args.steps, count=args.count)
     print("RESULT " + json.dumps(res))
 
 
-def _run(model: str, setting: dict | None, steps: int) -> dict:
+def _run(model: str, setting: dict | None, steps: int, count: bool = False) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, __file__, "--child", "--model", model, "--setting", json.dumps(setting)]
-    cmd += ["--steps", str(steps)]
+    cmd += ["--steps", str(steps)] + (["--count"] if count else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     return {"model": model, "setting": setting, "error": (p.stderr or p.stdout)[-2000:]}
+
+
+def _counted(model: str, setting: dict, steps: int) -> int | None:
+    """The run of ``setting`` again in a fresh process with every op's outputs counted
+    (`gact_graph.budget.profile.LiveBytes` around each step, on top of the tensors alive
+    when it starts): its worst step's peak of tensor bytes (None where it failed)."""
+    res = _run(model, setting, steps, count=True)
+    counted = res.get("extra", {}).get("counted")
+    return max(counted) if counted else None
+
+
+def _within(counted: int | None, budget: int) -> bool:
+    return counted is not None and counted <= budget
 
 
 def _mib(b) -> str:
@@ -228,6 +295,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--setting", help=argparse.SUPPRESS)
+    ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args)
@@ -240,7 +308,8 @@ def main() -> None:
         return
     results = []
     print(
-        f"{'model':<8} {'budget':>6} {'B MiB':>7} | {'planner MiB':>11} {'pred MiB':>8} "
+        f"{'model':<8} {'budget':>6} {'B MiB':>7} | {'planner MiB':>11} {'bytes MiB':>9} "
+        f"{'pred MiB':>8} "
         f"{'met':>4} {'steady':>7} {'mean':>7} | {'fastest fitting fixed':<22} {'steady':>7} "
         f"{'mean':>7} | {'ratio steady':>12} {'ratio mean':>10}"
     )
@@ -267,12 +336,20 @@ def main() -> None:
             fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
+            if "peak" in plan:  # again, counting tensor bytes at every op (slower)
+                entry["counted"] = _counted(model, {"memory_budget": budget, **extra_setting},
+                                            args.steps)  # fmt: skip
             if plan.get("exact"):  # refused naming a figure it admits: admitted and met?
                 named = plan["least_budget"]
                 entry["at_named"] = _run(model, {"memory_budget": named, **extra_setting},
                                          args.steps)  # fmt: skip
+                if "peak" in entry["at_named"]:
+                    entry["at_named_counted"] = _counted(
+                        model, {"memory_budget": named, **extra_setting}, args.steps
+                    )
             row["budgets"].append(entry)
-            met = "peak" in plan and plan["peak"] <= budget
+            counted = entry.get("counted")
+            met = "peak" in plan and plan["peak"] <= budget and _within(counted, budget)
             ms = {}
             for key in ("step_time", "mean_time"):
                 p = 1e3 * plan[key] if "peak" in plan else None
@@ -287,7 +364,8 @@ def main() -> None:
 
             print(
                 f"{model:<8} {frac:>6.0%} {_mib(budget):>7} | "
-                f"{_mib(plan.get('peak')) if 'peak' in plan else 'error':>11} {_mib(pred):>8} "
+                f"{_mib(plan.get('peak')) if 'peak' in plan else 'error':>11} "
+                f"{_mib(counted):>9} {_mib(pred):>8} "
                 f"{('yes' if met else 'NO'):>4} {f(ms['step_time'][0]):>7} "
                 f"{f(ms['mean_time'][0]):>7} | {best or 'none fits':<22} "
                 f"{f(ms['step_time'][1]):>7} {f(ms['mean_time'][1]):>7} | "
@@ -300,8 +378,12 @@ def main() -> None:
                 if again is not None:
                     named = plan["least_budget"]
                     if "peak" in again:
-                        ok = "met" if again["peak"] <= named else "NOT met"
-                        said = f"admitted, every step at most {_mib(again['peak'])} MiB: {ok}"
+                        both = entry.get("at_named_counted")
+                        ok = again["peak"] <= named and _within(both, named)
+                        said = (
+                            f"admitted, every step at most {_mib(again['peak'])} MiB, "
+                            f"{_mib(both)} MiB of tensors: {'met' if ok else 'NOT met'}"
+                        )
                     else:
                         said = "REFUSED: " + again.get("error", "")[:200]
                     print(f"         at the named {_mib(named)} MiB: {said}")
