@@ -20,6 +20,10 @@ and the figure a GPU's ``max_memory_allocated`` follows; it is the worst step's.
 - stock: no compression; its peak sets the budgets (``--fractions``, default 30/10/5 %);
 - brute force: fixed ``bits`` in {1, 2, 4, 8} x ``opt_level`` in {L1, CB1} (``adaptive=False``;
   L2 only on CUDA, so not here);
+- side by side: where the planner trains and a fixed setting fits, ``--pairs`` (2) further runs
+  of each, alternating planner and fastest fitting fixed setting; the step times compared are
+  the medians over the three runs of each (one pass per setting drifted by 10-15 % between
+  runs on this machine), the planner's peak is its worst step over all three;
 - planner: ``memory_budget=B`` with the defaults (adaptive sensitivities, 2-bit reference);
   where it refuses B naming a budget it admits (``BudgetError.least_budget``; not a lower
   bound from the forward's shapes, ``exact=False``), a further run at that budget checks that
@@ -287,6 +291,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        help="further planner / fastest-fitting-fixed runs, alternating, for the step-time "
+        "ratio (this machine's step times drift between runs; default 2)",
+    )
+    ap.add_argument(
         "--planner-setting",
         default="{}",
         help="JSON of compress_gnn arguments added to the planner's runs (default: none)",
@@ -315,8 +326,9 @@ def main() -> None:
     )
     for model in args.models:
         stock = _run(model, None, args.steps)
-        fixed = {f"{b}-bit {lvl}": _run(model, {"bits": b, "adaptive": False, "opt_level": lvl},
-                                        args.steps) for b, lvl in FIXED}  # fmt: skip
+        settings = {f"{b}-bit {lvl}": {"bits": b, "adaptive": False, "opt_level": lvl}
+                    for b, lvl in FIXED}  # fmt: skip
+        fixed = {k: _run(model, v, args.steps) for k, v in settings.items()}
         row = {"model": model, "stock": stock, "fixed": fixed, "budgets": []}
         if "peak" not in stock:
             print(f"{model}: stock failed: {stock.get('error')}")
@@ -332,10 +344,17 @@ def main() -> None:
         for frac in args.fractions:
             budget = int(frac * stock["peak"])
             extra_setting = json.loads(args.planner_setting)
-            plan = _run(model, {"memory_budget": budget, **extra_setting}, args.steps)
+            mine = {"memory_budget": budget, **extra_setting}
+            plan = _run(model, mine, args.steps)
             fits = {k: v for k, v in fixed.items() if "peak" in v and v["peak"] <= budget}
             best = min(fits, key=lambda k: fits[k]["step_time"]) if fits else None
             entry = {"fraction": frac, "budget": budget, "planner": plan, "fastest_fixed": best}
+            planner_runs, fixed_runs = [plan], [fits[best]] if best else []
+            if "peak" in plan and best:  # side by side: alternating fresh processes
+                for _ in range(args.pairs):
+                    planner_runs.append(_run(model, mine, args.steps))
+                    fixed_runs.append(_run(model, settings[best], args.steps))
+                entry["repeats"] = {"planner": planner_runs[1:], "fixed": fixed_runs[1:]}
             if "peak" in plan:  # again, counting tensor bytes at every op (slower)
                 entry["counted"] = _counted(model, {"memory_budget": budget, **extra_setting},
                                             args.steps)  # fmt: skip
@@ -349,11 +368,15 @@ def main() -> None:
                     )
             row["budgets"].append(entry)
             counted = entry.get("counted")
-            met = "peak" in plan and plan["peak"] <= budget and _within(counted, budget)
+            trained = "peak" in plan and all("peak" in r for r in planner_runs)
+            peak = max(r["peak"] for r in planner_runs) if trained else None
+            entry["peak"] = peak  # the worst step of every planner run of this row
+            met = trained and peak <= budget and _within(counted, budget)
             ms = {}
-            for key in ("step_time", "mean_time"):
-                p = 1e3 * plan[key] if "peak" in plan else None
-                b = 1e3 * fits[best][key] if best else None
+            for key in ("step_time", "mean_time"):  # medians over the runs
+                p = 1e3 * statistics.median(r[key] for r in planner_runs) if trained else None
+                timed = [r[key] for r in fixed_runs if "peak" in r]
+                b = 1e3 * statistics.median(timed) if timed else None
                 ms[key] = (p, b, p / b if p and b else None)
             entry["ratio"] = ms["step_time"][2]
             entry["ratio_mean"] = ms["mean_time"][2]
@@ -364,7 +387,7 @@ def main() -> None:
 
             print(
                 f"{model:<8} {frac:>6.0%} {_mib(budget):>7} | "
-                f"{_mib(plan.get('peak')) if 'peak' in plan else 'error':>11} "
+                f"{_mib(peak) if trained else 'error':>11} "
                 f"{_mib(counted):>9} {_mib(pred):>8} "
                 f"{('yes' if met else 'NO'):>4} {f(ms['step_time'][0]):>7} "
                 f"{f(ms['mean_time'][0]):>7} | {best or 'none fits':<22} "
@@ -393,6 +416,17 @@ def main() -> None:
                 peaks = " ".join(_mib(p) for p in plan["peaks"])
                 print(f"         planner per step ms: {times}; probe steps {probes}")
                 print(f"         planner per step peak MiB: {peaks}")
+                if len(planner_runs) > 1:
+
+                    def steadies(runs):
+                        return " ".join(f"{1e3 * r['step_time']:.0f}" for r in runs if "peak" in r)
+
+                    worst = " ".join(_mib(r.get("peak")) for r in planner_runs)
+                    print(
+                        f"         {len(planner_runs)} runs each, alternating: planner steady "
+                        f"{steadies(planner_runs)} ms (worst steps {worst} MiB), {best} "
+                        f"{steadies(fixed_runs)} ms"
+                    )
         results.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
