@@ -60,9 +60,11 @@ by what it really held.
 
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
 lesser of a profile step's measured peak and the least relaxed plan's prediction with the
-margin, over both profiles where two ran, plus 2 % and 512 KiB, `NAMED_SLACK` and
-`NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures its own profile
-step, is admitted and met): already at the end of the profile step's forward
+margin, over both profiles where two ran, but at least the peak of every profile step a rerun
+runs before it is admitted, its probe and adjacency build included; plus 2 % and 512 KiB,
+`NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures its
+own profile step, is admitted and met in every step): already at the end of the profile
+step's forward
 (before backward, from a lower bound without margin: saved bytes at 1 bit, what segments save
 left out where a recompute profile may follow, the largest saved tensor dequantized, the
 parameters' gradients), else at the ``ctl.iterate()`` of the last profile step (the exact
@@ -188,6 +190,10 @@ class PlanState:
     rectified: int = 0
     #: ``plan.memory`` of the profile step's own setting (``relaxed == "profile"``)
     profile_memory: int = 0
+    #: the profile step's own peak, its probe and adjacency build included (what a rerun's
+    #: profile step holds again; CUDA: ``profile_peak``; CPU: the larger of the counted peak
+    #: and, where trusted, the resident set's)
+    profile_whole: int | None = None
 
     @property
     def predicted(self) -> int:
@@ -239,8 +245,9 @@ class BudgetPlanner:
         self.plan_state: PlanState | None = None
         #: input shapes whose first profile step (nothing recomputed) found no plan: their
         #: next step profiles with every segment recomputed. Value: the smallest budget that
-        #: first profile admits and a line on it, for the error the second may raise
-        self.compress_profiled: dict[tuple, tuple[int, str]] = {}
+        #: first profile admits (before the slack), a line on it, for the error the second may
+        #: raise, and its own peak (a rerun runs that step first)
+        self.compress_profiled: dict[tuple, tuple[int, str, int]] = {}
         self._recomputing = False  # whether this profile step recomputes every segment
         self._carried_before = 0  # what an earlier CPU profile step carried into later steps
         self.history: list[dict[str, Any]] = []
@@ -567,6 +574,7 @@ class BudgetPlanner:
         if phase == "profile":
             growth = outside = None
             once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
+            carried_at_start = self._carried_before  # what an earlier profile step left
             if live is not None:
                 growth, outside = live.repeated_peak, live.outside_peak
                 once_only = live.peak - live.repeated_peak
@@ -605,7 +613,15 @@ class BudgetPlanner:
                     retained = now - self._base - self._static - live.alive()
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
-            state = self._plan_from_profile(growth, outside, profile_peak, correction)
+            # the step's own peak, probe and build included: a rerun's profile step does it all
+            whole = profile_peak if self._device.type == "cuda" else None
+            if live is not None:
+                whole = self._rest() + carried_at_start + live.peak
+            elif growth is not None:
+                whole = self._rest() + growth
+            if whole is not None and measured is not None and self._rectifies():
+                whole = max(whole, measured)
+            state = self._plan_from_profile(growth, outside, profile_peak, correction, whole)
             if state is not None:
                 self._pause_probes()
                 self.plans[self._signature] = state
@@ -693,13 +709,15 @@ class BudgetPlanner:
         outside: int | None,
         profile_peak: int | None,
         correction: int = 0,
+        whole: int | None = None,
     ) -> PlanState | None:
         """The plan for the profile step just finished (None: no plan without recomputation,
         the next step with these inputs profiles with every segment recomputed); ``growth`` is
         the most memory the step held beyond what existed before it, ``outside`` the same
         outside the segments' recomputations and the probe's work (CPU; None: not measured
         apart), ``profile_peak`` what a later step at the profile step's setting holds,
-        measured (None: not measurable).
+        measured (None: not measurable), ``whole`` the profile step's own peak (its probe and
+        adjacency build included).
 
         The backward transient is what the step held beyond its stored bytes and the largest
         recomputed segment's; where recomputations were measured apart (``outside``), it
@@ -712,7 +730,9 @@ class BudgetPlanner:
         warning; else, when the budget is at least what a later step at the profile step's
         setting holds (measured, less the probe's tensors), that setting (refusing it would
         refuse a budget just met). Otherwise, where a recompute profile may follow, None;
-        else `BudgetError`, naming the smallest budget one of these admits."""
+        else `BudgetError`, naming the smallest budget one of these admits and a rerun meets
+        in every step: a rerun at it runs this profile step again (and the one before it,
+        where this is a recompute profile), so it is at least their own peaks."""
         self.profiles += 1
         tensors = self._records()
         rest = self._rest() + self._carried  # later steps start with what this one carried
@@ -733,10 +753,15 @@ class BudgetPlanner:
         loose = self._units(tensors, relaxed=True)[0]
         least_loose, _ = smallest_memory(loose, None)
         need_loose = (rest + fixed + transient + correction + least_loose) / (1 - self.margin)
-        least_budget = math.ceil(need_loose)
+        least = math.ceil(need_loose)
         if profile_peak is not None:
-            least_budget = min(least_budget, profile_peak)
-        least_budget = _named(least_budget)  # what a rerun, measuring again, admits
+            least = min(least, profile_peak)
+        earlier = self.compress_profiled.get(self._signature)  # (least, detail, whole)
+        runs_again = max(whole or 0, earlier[2] if earlier is not None else 0)
+        least = max(least, runs_again)
+        if earlier is not None:
+            least = min(least, earlier[0])
+        least_budget = _named(least)  # what a rerun, measuring again, admits
         if plan is None:
             least_bound, _ = smallest_memory(units, cap_var)
             need_bound = (rest + fixed + transient + correction + least_bound) / (1 - self.margin)
@@ -769,11 +794,9 @@ class BudgetPlanner:
                     + f"; {format_bytes(need_bound)} keeps the accuracy bound)"
                 )
                 if self._may_recompute_next():  # recomputing segments may still fit it
-                    self.compress_profiled[self._signature] = (least_budget, detail)
+                    self.compress_profiled[self._signature] = (least, detail, whole or 0)
                     return None
-                earlier = self.compress_profiled.get(self._signature)
                 if earlier is not None:
-                    least_budget = min(least_budget, earlier[0])
                     detail += f"; without recomputation {earlier[1]}"
                 raise BudgetError(
                     f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
@@ -802,7 +825,7 @@ class BudgetPlanner:
         return PlanState(
             self._signature, plan, units, rest, fixed, transient, cap_var, self.ctl.step,
             recompute, swap, profile_peak, least_budget, relaxed, self._lower_bound,
-            correction, profile_memory=profile_memory,
+            correction, profile_memory=profile_memory, profile_whole=whole,
         )  # fmt: skip
 
     def _what(self) -> str:
@@ -938,6 +961,12 @@ class BudgetPlanner:
         lines.append(
             f"smallest feasible budget {format_bytes(state.least_budget)}; profile step "
             f"measured {'-' if state.profile_peak is None else format_bytes(state.profile_peak)}"
+            + (
+                f" for later steps, {format_bytes(state.profile_whole)} itself (its probe and "
+                "adjacency build included)"
+                if state.profile_whole is not None and state.profile_whole != state.profile_peak
+                else ""
+            )
         )
         lines.append(f"{'unit':<40} {'kind':<8} {'choice':<16} {'orig MB':>9} {'held MB':>9}")
         for u in state.units:
