@@ -129,13 +129,12 @@ def _train(model_key: str, setting: dict | None, n: int, steps: int, count: bool
     import torch
     import torch.nn.functional as F
 
-    from gact_graph.budget.profile import LiveBytes
-
-    before = []  # count: the tensors alive at the baseline (kept alive, so never re-used)
-
     from benchmarks.harness import build_model
     from gact_graph import compress_gnn
     from gact_graph.budget import BudgetError
+    from gact_graph.budget.profile import LiveBytes
+
+    before = []  # count: the tensors alive at the baseline (kept alive, so never re-used)
 
     name, layers = MODELS[model_key][:2]
     stats = _stats(model_key)
@@ -356,16 +355,12 @@ def main() -> None:
                     fixed_runs.append(_run(model, settings[best], args.steps))
                 entry["repeats"] = {"planner": planner_runs[1:], "fixed": fixed_runs[1:]}
             if "peak" in plan:  # again, counting tensor bytes at every op (slower)
-                entry["counted"] = _counted(model, {"memory_budget": budget, **extra_setting},
-                                            args.steps)  # fmt: skip
+                entry["counted"] = _counted(model, mine, args.steps)
             if plan.get("exact"):  # refused naming a figure it admits: admitted and met?
-                named = plan["least_budget"]
-                entry["at_named"] = _run(model, {"memory_budget": named, **extra_setting},
-                                         args.steps)  # fmt: skip
+                at_named = {"memory_budget": plan["least_budget"], **extra_setting}
+                entry["at_named"] = _run(model, at_named, args.steps)
                 if "peak" in entry["at_named"]:
-                    entry["at_named_counted"] = _counted(
-                        model, {"memory_budget": named, **extra_setting}, args.steps
-                    )
+                    entry["at_named_counted"] = _counted(model, at_named, args.steps)
             row["budgets"].append(entry)
             counted = entry.get("counted")
             trained = "peak" in plan and all("peak" in r for r in planner_runs)

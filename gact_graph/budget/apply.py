@@ -614,11 +614,12 @@ class BudgetPlanner:
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
             # the step's own peak, probe and build included: a rerun's profile step does it all
-            whole = profile_peak if self._device.type == "cuda" else None
-            if live is not None:
+            if self._device.type == "cuda":
+                whole = profile_peak  # max_memory_allocated: already the whole step's
+            elif live is not None:
                 whole = self._rest() + carried_at_start + live.peak
-            elif growth is not None:
-                whole = self._rest() + growth
+            else:
+                whole = None if growth is None else self._rest() + growth
             if whole is not None and measured is not None and self._rectifies():
                 whole = max(whole, measured)
             state = self._plan_from_profile(growth, outside, profile_peak, correction, whole)
