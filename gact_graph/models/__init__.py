@@ -1,4 +1,4 @@
-"""Full-batch GNNs built from stock PyG convolutions (``GCN``, ``GAT``, ``GCNII``) and the
+"""Full-batch GNNs built from stock PyG convolutions (``GCN``, ``GAT``, ``GATv2``, ``GCNII``) and the
 published hyperparameters to train them (:func:`preset`).
 
 Every model takes ``forward(x, edge_index, edge_weight=None)`` and returns logits; the
@@ -13,13 +13,13 @@ from typing import Any
 
 from torch import nn
 
-from gact_graph.models.gat import GAT
+from gact_graph.models.gat import GAT, GATv2
 from gact_graph.models.gcn import GCN
 from gact_graph.models.gcnii import GCNII
 
-__all__ = ["GCN", "GAT", "GCNII", "MODELS", "PRESETS", "preset", "build_model"]
+__all__ = ["GCN", "GAT", "GATv2", "GCNII", "MODELS", "PRESETS", "preset", "build_model"]
 
-MODELS: dict[str, type[nn.Module]] = {"gcn": GCN, "gat": GAT, "gcnii": GCNII}
+MODELS: dict[str, type[nn.Module]] = {"gcn": GCN, "gat": GAT, "gatv2": GATv2, "gcnii": GCNII}
 
 # Published full-batch setups, keyed by (model, family). "model" holds constructor arguments,
 # the rest is optimisation. Families: "ogb" (ogbn-arxiv setups; used for every large graph),
@@ -99,6 +99,10 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     },
 }  # fmt: skip
 
+# GATv2 trains with GAT's setups (Brody et al. keep the GAT hyperparameters they compare with).
+PRESETS.update({("gatv2", family): copy.deepcopy(PRESETS[("gat", family)])
+                for family in ("ogb", "planetoid", "synthetic")})
+
 _PLANETOID = {"cora", "citeseer", "pubmed"}
 
 
@@ -112,7 +116,8 @@ def _family(dataset: str) -> str:
 
 
 def preset(model: str, dataset: str) -> dict[str, Any]:
-    """A copy of the published setup of ``model`` (``gcn``, ``gat``, ``gcnii``) for ``dataset``.
+    """A copy of the published setup of ``model`` (``gcn``, ``gat``, ``gatv2``, ``gcnii``) for
+    ``dataset``.
 
     Returns ``{"model": constructor kwargs, "lr", "weight_decay", "epochs", "patience"}`` and,
     for GCNII on Planetoid, ``"weight_decay_conv"``. Large graphs (OGB, GraphSAINT, their

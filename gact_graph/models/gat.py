@@ -1,13 +1,13 @@
-"""Full-batch GAT (Velickovic et al., ICLR 2018), with the BatchNorm and residual options of
-the OGB ogbn-arxiv GAT baselines."""
+"""Full-batch GAT (Velickovic et al., ICLR 2018) and GATv2 (Brody et al., ICLR 2022), with the
+BatchNorm and residual options of the OGB ogbn-arxiv GAT baselines."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch_geometric.nn import GATConv
+from torch_geometric.nn import GATConv, GATv2Conv
 
-__all__ = ["GAT"]
+__all__ = ["GAT", "GATv2"]
 
 _ACTIVATIONS = {"elu": F.elu, "relu": F.relu}
 
@@ -45,6 +45,8 @@ class GAT(nn.Module):
         - output: ``[N, out_channels]`` logits.
     """
 
+    conv_class: type[nn.Module] = GATConv
+
     def __init__(
         self,
         in_channels: int,
@@ -63,6 +65,7 @@ class GAT(nn.Module):
         add_self_loops: bool = True,
     ) -> None:
         super().__init__()
+        conv = self.conv_class
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if activation not in _ACTIVATIONS:
@@ -79,9 +82,9 @@ class GAT(nn.Module):
         self.convs = nn.ModuleList()
         width = in_channels
         for _ in range(num_layers - 1):
-            self.convs.append(GATConv(width, hidden_channels, heads=heads, **common))
+            self.convs.append(conv(width, hidden_channels, heads=heads, **common))
             width = hidden_channels * heads
-        self.convs.append(GATConv(width, out_channels, heads=out_heads, concat=False, **common))
+        self.convs.append(conv(width, out_channels, heads=out_heads, concat=False, **common))
         self.bns = nn.ModuleList(
             nn.BatchNorm1d(hidden_channels * heads)
             for _ in range(num_layers - 1 if batch_norm else 0)
@@ -106,3 +109,11 @@ class GAT(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_layers={len(self.convs)}, dropout={self.dropout}, activation={self.activation}"
+
+
+class GATv2(GAT):
+    r"""The same stack with :class:`~torch_geometric.nn.GATv2Conv` layers (dynamic attention:
+    :math:`\alpha_{ij} = \mathrm{softmax}_j(a^\top \mathrm{LeakyReLU}(W_s x_j + W_t x_i))`);
+    the arguments are :class:`GAT`'s."""
+
+    conv_class = GATv2Conv

@@ -21,6 +21,7 @@ def graph():
 SMALL = {
     "gcn": {"hidden_channels": 16, "num_layers": 3},
     "gat": {"hidden_channels": 8, "num_layers": 3, "heads": 2, "batch_norm": True},
+    "gatv2": {"hidden_channels": 8, "num_layers": 3, "heads": 2, "batch_norm": True},
     "gcnii": {"hidden_channels": 16, "num_layers": 4},
 }
 
