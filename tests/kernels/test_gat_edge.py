@@ -1,0 +1,325 @@
+"""Fused GAT edge-stage kernels (`gact_graph.kernels.gat_edge`) against their references:
+values and every gradient, dropout on and off (the kernels' own mask, materialized by
+`gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one huge-degree
+row, H = 1 and 8, C not a power of two; and the patched `GATConv` on the kernels against the
+chunked PyTorch stage.
+
+Without CUDA the kernel tests run in Triton's CPU interpreter, which has to be switched on
+(``TRITON_INTERPRET=1``) before Triton is imported; the conftest's imports (PyG) import Triton
+first, so ``test_interpreter_in_subprocess`` re-runs this file in a fresh interpreter with that
+variable set. Running the file directly with ``TRITON_INTERPRET=1`` works too. The graphs are
+tiny: the interpreter runs every program in Python.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gact_graph.kernels import gat_edge as ge
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+
+needs_kernels = pytest.mark.skipif(
+    not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
+    reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+)
+cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+#: tolerance of the kernels against the fp32 reference, by input dtype (the reference
+#: computes in fp32 on the same rounded inputs; the kernels' sums run in another order)
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+# ---------------------------------------------------------------------------- graphs
+def csr(src: torch.Tensor, dst: torch.Tensor, n: int, device=DEVICE):
+    dst, order = dst.sort(stable=True)
+    rowptr = torch.zeros(n + 1, dtype=torch.long)
+    rowptr[1:] = torch.bincount(dst, minlength=n).cumsum(0)
+    return rowptr.to(device), src[order].to(torch.int32).to(device)
+
+
+def graph(kind: str, n: int = 14, e: int = 50, seed: int = 0):
+    """``(rowptr, col, n)``: ``"empty_rows"`` (the last 4 nodes receive no edge, two send
+    none), ``"huge_row"`` (node 0 receives 80 edges, several blocks), ``"plain"``."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (e,), generator=g)
+    dst = torch.randint(0, n, (e,), generator=g)
+    if kind == "empty_rows":
+        dst = torch.randint(0, n - 4, (e,), generator=g)
+        src = torch.randint(2, n, (e,), generator=g)
+    elif kind == "huge_row":
+        src = torch.cat([src, torch.randint(0, n, (80,), generator=g)])
+        dst = torch.cat([dst, torch.zeros(80, dtype=torch.long)])
+    elif kind != "plain":
+        raise ValueError(kind)
+    return (*csr(src, dst, n), n)
+
+
+def inputs(n: int, heads: int, channels: int, dtype, has_dst=True, seed=1, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, channels, generator=g).to(dtype)
+    a_src = torch.randn(n, heads, generator=g) * 2
+    a_dst = torch.randn(n, heads, generator=g) * 2 if has_dst else None
+    return [None if t is None else t.to(device) for t in (x, a_src, a_dst)]
+
+
+def run_kernels(x, a_src, a_dst, rowptr, col, slope, p, seed, grad_out, config=None):
+    out, m, s = ge.gat_edge_forward(
+        x, a_src, a_dst, rowptr, col, slope, p, seed,
+        out_dtype=torch.promote_types(x.dtype, a_src.dtype), config=config,
+    )  # fmt: skip
+    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, x.shape[0])
+    grads = ge.gat_edge_backward(
+        grad_out, x, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, slope, p, seed,
+        config=config,
+    )  # fmt: skip
+    return out, grads
+
+
+def run_reference(x, a_src, a_dst, rowptr, col, slope, p, keep, grad_out):
+    leaves = [t.detach().float().requires_grad_() if t is not None else None
+              for t in (x, a_src, a_dst)]  # fmt: skip
+    out = ge.gat_edge_reference(*leaves, rowptr, col, slope, p, keep)
+    out.float().backward(grad_out.float())
+    return out, [None if t is None else t.grad for t in leaves]
+
+
+def assert_close(a, b, tol, what):
+    scale = max(1.0, b.abs().max().item())
+    err = (a.float() - b.float()).abs().max().item() / scale
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def check_against_reference(kind, heads, channels, dtype, p=0.0, has_dst=True, config=None):
+    rowptr, col, n = graph(kind)
+    x, a_src, a_dst = inputs(n, heads, channels, dtype, has_dst)
+    seed = torch.tensor([20261126], dtype=torch.int64, device=x.device) if p > 0 else None
+    grad_out = torch.randn(n, heads, channels, device=x.device)
+    out, grads = run_kernels(x, a_src, a_dst, rowptr, col, 0.2, p, seed, grad_out, config)
+    keep = ge.gat_edge_dropout_keep(seed, col.numel(), heads, p) if p > 0 else None
+    ref, ref_grads = run_reference(x, a_src, a_dst, rowptr, col, 0.2, p, keep, grad_out)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert_close(out, ref, TOL[dtype], "out")
+    for name, g, r in zip(("x", "a_src", "a_dst"), grads, ref_grads):
+        if r is None:
+            assert g is None
+            continue
+        want = {"x": x, "a_src": a_src, "a_dst": a_dst}[name]
+        assert g.dtype == want.dtype and g.shape == want.shape, name
+        assert_close(g, r, TOL[dtype], f"grad {name}")
+    return out
+
+
+# ---------------------------------------------------------------------------- kernels
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind, heads, channels, has_dst",
+    [("empty_rows", 1, 3, True), ("plain", 8, 17, True), ("huge_row", 2, 5, True),
+     ("empty_rows", 3, 4, False)],
+)  # fmt: skip
+def test_matches_reference_fp32(kind, heads, channels, has_dst):
+    check_against_reference(kind, heads, channels, torch.float32, has_dst=has_dst)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_half(dtype):
+    check_against_reference("huge_row", 2, 6, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, heads, p", [("empty_rows", 1, 0.3), ("huge_row", 2, 0.6)])
+def test_dropout_regenerated_in_backward(kind, heads, p):
+    """The gradients equal the reference's under the kernels' own mask: backward drew the
+    very mask forward drew."""
+    out = check_against_reference(kind, heads, 5, torch.float32, p=p)
+    rowptr, col, n = graph(kind)
+    seed = torch.tensor([20261126], dtype=torch.int64, device=DEVICE)
+    again, _, _ = ge.gat_edge_forward(*inputs(n, heads, 5, torch.float32), rowptr, col, 0.2, p,
+                                      seed)  # fmt: skip
+    assert torch.equal(out, again)  # one seed, one mask
+
+
+@needs_kernels
+def test_dropout_one_drops_everything():
+    out = check_against_reference("empty_rows", 1, 3, torch.float32, p=1.0)
+    assert not out.any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("config, p", [((32, 4, 4), 0.0), ((16, 3, 4), 0.5)])
+def test_rows_per_program_and_block_width(config, p):
+    """Several rows per program (the last program partly past the end) and wider blocks."""
+    check_against_reference("huge_row", 1, 5, torch.float32, p=p, config=config)
+
+
+@needs_kernels
+def test_dropout_mask_statistics():
+    seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
+    keep = ge.gat_edge_dropout_keep(seed, 1000, 4, 0.3)
+    assert keep.shape == (1000, 4) and keep.dtype == torch.bool
+    frac, sd = keep.float().mean().item(), (0.3 * 0.7 / 4000) ** 0.5
+    assert abs(frac - 0.7) < 5 * sd
+    assert torch.equal(keep, ge.gat_edge_dropout_keep(seed, 1000, 4, 0.3))
+    other = ge.gat_edge_dropout_keep(seed + 1, 1000, 4, 0.3)
+    assert (other != keep).float().mean().item() > 0.3  # a new seed, a new mask
+    # heads and edges draw independently: no two heads share a column of the mask
+    assert all(not torch.equal(keep[:, 0], keep[:, h]) for h in range(1, 4))
+
+
+@needs_kernels
+def test_matches_chunked_stage_and_its_gradients():
+    """The kernels through `GatFusedFunction` against the chunked `GatAttentionFunction`."""
+    from gact_graph.sparse import gat as sgat
+
+    rowptr, col, n = graph("empty_rows")
+    leaves = [t.requires_grad_() for t in inputs(n, 2, 7, torch.float32)]
+    grad_out = torch.randn(n, 2, 7, device=DEVICE)
+    fused = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2)
+    g_fused = torch.autograd.grad(fused, leaves, grad_out)
+    chunked = sgat.gat_attention(*leaves, rowptr, col, 0.2)
+    g_chunked = torch.autograd.grad(chunked, leaves, grad_out)
+    assert_close(fused, chunked, 2e-5, "out")
+    for g, r in zip(g_fused, g_chunked):
+        assert_close(g, r, 2e-5, "grad")
+
+
+@needs_kernels
+def test_function_redraws_its_seed_reproducibly():
+    """`GatFusedFunction` draws its seed on the default generator: under one manual seed,
+    the reference fed the mask of the same draw gives the same values and gradients."""
+    from gact_graph.sparse import gat as sgat
+
+    rowptr, col, n = graph("plain")
+    leaves = [t.requires_grad_() for t in inputs(n, 2, 4, torch.float32)]
+    grad_out = torch.randn(n, 2, 4, device=DEVICE)
+    torch.manual_seed(5)
+    out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout=0.4)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    torch.manual_seed(5)
+    keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), 2, 0.4)
+    ref, ref_grads = run_reference(*leaves, rowptr, col, 0.2, 0.4, keep, grad_out)
+    assert_close(out, ref, 2e-5, "out")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, 2e-5, "grad")
+
+
+@needs_kernels
+def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
+    """A compressed GATConv routed to the kernels (`EDGE_KERNEL = "triton"`) against the
+    same layer on the chunked stage, lossless so that only the edge stage differs; and with
+    attention dropout in a compressed mode the kernels run and train."""
+    from torch_geometric.nn import GATConv
+
+    from gact_graph import compress_gnn
+    from gact_graph.sparse import gat as sgat
+
+    torch.manual_seed(0)
+    n = 16
+    ei = torch.randint(0, n, (2, 60)).to(DEVICE)
+    x = torch.randn(n, 6, device=DEVICE)
+    results = {}
+    for kernel in ("chunked", "triton"):
+        monkeypatch.setattr(sgat, "EDGE_KERNEL", kernel)
+        torch.manual_seed(1)
+        conv = GATConv(6, 5, heads=2).to(DEVICE)
+        compress_gnn(conv, bits=None)
+        out = conv(x, ei)
+        out.square().sum().backward()
+        results[kernel] = (out.detach(), [p.grad.clone() for p in conv.parameters()])
+    assert_close(results["triton"][0], results["chunked"][0], 2e-5, "out")
+    for g, r in zip(results["triton"][1], results["chunked"][1]):
+        assert_close(g, r, 5e-5, "parameter grad")
+
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    conv = GATConv(6, 5, heads=2, dropout=0.5).to(DEVICE)
+    ctl = compress_gnn(conv, bits=2)
+    conv.train()
+    conv(x, ei).sum().backward()
+    assert ctl.module_paths and all(p.grad is not None for p in conv.parameters())
+
+
+def test_degree_bucket_is_coarse():
+    assert ge.degree_bucket(0, 10) == 1
+    assert ge.degree_bucket(14 * 1000, 1000) == 16
+    assert ge.degree_bucket(15 * 1000 + 7, 1000) == 16  # nearby sizes share a key
+    assert ge.degree_bucket(10**9, 1) == 1024
+
+
+def test_reference_needs_the_mask_under_dropout():
+    rowptr, col, n = graph("plain", n=5, e=8)
+    x, a_src, a_dst = inputs(n, 1, 2, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="keep-mask"):
+        ge.gat_edge_reference(x, a_src, a_dst, rowptr.cpu(), col.cpu(), 0.2, 0.5)
+
+
+# ---------------------------------------------------------------------------- CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_cuda_moderate_graph(dtype, p, request):
+    """70,000 nodes (past 65,535: grid and index bugs), H = 3, C = 24, against the chunked
+    stage (without dropout) or the reference under the kernels' mask."""
+    for mark in cuda:
+        request.applymarker(mark)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    n, e, heads, channels = 70_000, 400_000, 3, 24
+    src, dst = torch.randint(0, n, (e,)), torch.randint(0, n - 10, (e,))
+    rowptr, col = csr(src, dst, n, "cuda")
+    x, a_src, a_dst = inputs(n, heads, channels, dtype, device="cuda")
+    seed = torch.tensor([11], dtype=torch.int64, device="cuda") if p else None
+    grad_out = torch.randn(n, heads, channels, device="cuda")
+    out, grads = run_kernels(x, a_src, a_dst, rowptr, col, 0.2, p, seed, grad_out)
+    keep = ge.gat_edge_dropout_keep(seed, e, heads, p) if p else None
+    ref, ref_grads = run_reference(x, a_src, a_dst, rowptr, col, 0.2, p, keep, grad_out)
+    tol = TOL[dtype] * 2
+    assert_close(out, ref, tol, "out")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, tol, "grad")
+
+
+def test_cuda_steady_state_makes_no_host_sync(request):
+    for mark in cuda:
+        request.applymarker(mark)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    from gact_graph.sparse import gat as sgat
+
+    rowptr, col, n = graph("huge_row", n=3000, e=30000)
+    rowptr, col = rowptr.cuda(), col.cuda()
+    leaves = [t.cuda().requires_grad_() for t in inputs(n, 3, 32, torch.float32, device="cpu")]
+    transpose = ge.csr_transpose(rowptr, col, n)
+    for _ in range(2):  # the first call tunes the blocking (timed: syncs)
+        sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------------- interpreter
+def _subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
+def test_interpreter_in_subprocess():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "not subprocess and not cuda", "-W", "ignore::RuntimeWarning"]
+    env = _subprocess_env(TRITON_INTERPRET="1")
+    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
