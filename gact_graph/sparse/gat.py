@@ -56,8 +56,18 @@ adjacency, but its backward is nonlinear in them: quantizing them biases its gra
 them more bits). Both backwards are differentiable once: a ``create_graph=True`` backward
 raises at once, naming the settings that support it (`differentiable_once`).
 
-Everything here is plain PyTorch (CPU and CUDA). There is no Triton kernel for the edge stage
-yet; the chunked path is the reference and the only implementation.
+**Two implementations of GAT's edge stage.** `GatAttentionFunction` is plain PyTorch, edge
+chunk by edge chunk: the CPU path and the reference. `GatFusedFunction` runs the fused Triton
+kernels of `gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online
+softmax; backward one pass over the rows and one over the transpose's rows, no atomics, no
+edge-level tensor at all) and saves the softmax's per-(node, head) max and sum, kept lossless,
+instead of recomputing them. The patched `GATConv` takes the kernels on CUDA tensors
+(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stage elsewhere. The kernels draw
+attention dropout themselves (Philox, from a seed tensor drawn on the device's generator, so
+no host sync), which cannot equal stock's bits: in lossless mode (``bits=None``) a layer with
+attention dropout in training keeps the chunked stage and stock's draw; compressed modes use
+the kernels' draw. Its gradient is as unbiased as the chunked stage's (backward is linear in
+``x'``; tests/sparse/test_sparse_gat.py runs the statistic on CUDA).
 
 Under autocast the Functions behave like PyG's edge stage, which holds no op that autocast
 lowers: the projections arrive in bf16/fp16 from autocast's ``Linear``, the logits and the

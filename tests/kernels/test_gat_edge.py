@@ -92,6 +92,18 @@ def run_reference(x, a_src, a_dst, rowptr, col, slope, p, keep, grad_out):
     return out, [None if t is None else t.grad for t in leaves]
 
 
+def count_calls(monkeypatch, name: str) -> list:
+    """Wrap ``gat_edge.<name>``: the returned list gains a 1 per call."""
+    calls, fn = [], getattr(ge, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(ge, name, counted)
+    return calls
+
+
 def assert_close(a, b, tol, what):
     scale = max(1.0, b.abs().max().item())
     err = (a.float() - b.float()).abs().max().item() / scale
@@ -227,6 +239,7 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     ei = torch.randint(0, n, (2, 60)).to(DEVICE)
     x = torch.randn(n, 6, device=DEVICE)
     results = {}
+    calls = count_calls(monkeypatch, "gat_edge_forward")
     for kernel in ("chunked", "triton"):
         monkeypatch.setattr(sgat, "EDGE_KERNEL", kernel)
         torch.manual_seed(1)
@@ -235,16 +248,42 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
         out = conv(x, ei)
         out.square().sum().backward()
         results[kernel] = (out.detach(), [p.grad.clone() for p in conv.parameters()])
+    assert calls == [1]  # the chunked run did not call the kernels, the other did
     assert_close(results["triton"][0], results["chunked"][0], 2e-5, "out")
     for g, r in zip(results["triton"][1], results["chunked"][1]):
         assert_close(g, r, 5e-5, "parameter grad")
 
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
     conv = GATConv(6, 5, heads=2, dropout=0.5).to(DEVICE)
-    ctl = compress_gnn(conv, bits=2)
+    ctl = compress_gnn(conv, bits=2, min_numel=0)
     conv.train()
     conv(x, ei).sum().backward()
-    assert ctl.module_paths and all(p.grad is not None for p in conv.parameters())
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in conv.parameters())
+    # only the projection is quantized: the node logits and the softmax statistics are not
+    quantized = [r["shape"] for r in ctl.stats()["tensors"] if r["bits"]]
+    assert quantized == [(n, 2, 5)], quantized
+
+
+@needs_kernels
+def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch):
+    """Under CB1 (each block checkpointed, recomputed from its quantized input in backward)
+    the recomputation saves its own softmax statistics and redraws the same dropout seed (the
+    checkpoint restores the RNG), so its gradient stays as close to L1's as quantization
+    allows. (Statistics kept from the forward would not match the recomputed logits.)"""
+    from gact_graph.sparse import gat as sgat
+    from tests.policy.test_levels import _graph as levels_graph
+    from tests.policy.test_levels import _make, _rel, _step
+
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    calls = count_calls(monkeypatch, "gat_edge_forward")
+    x, ei = levels_graph(n=12, f=8, e=30)
+    model = _make("gat", f=8).to(DEVICE)
+    x, ei = x.to(DEVICE), ei.to(DEVICE)
+    l1, _, _, _ = _step(model, x, ei, bits=8)
+    assert calls == [1] * 3  # every layer ran on the kernels
+    cb1, _, _, counters = _step(model, x, ei, bits=8, opt_level="CB1")
+    assert counters["recomputed_tensors"] > 0 and len(calls) > 6
+    assert _rel(cb1, l1) < 0.05
 
 
 def test_degree_bucket_is_coarse():

@@ -710,15 +710,18 @@ def test_quantized_4bit_single_layer(conv_cls):
         assert mean < 0.45 * one, (one, mean)
 
 
-def test_quantized_gat_gradient_is_unbiased_per_parameter():
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_gat_gradient_is_unbiased_per_parameter(device):
     """Every parameter's 2-bit gradient averages to the exact one over rounding seeds: the
     statistic R of tests/benchmarks/test_scale_deep.py per parameter tensor (about 1 when
     unbiased; measured 0.3-1.3 here). When the node logits came from the quantized projection
-    itself, att_src's R was 50-150 on graphs like this one (see gact_graph/sparse/gat.py)."""
+    itself, att_src's R was 50-150 on graphs like this one (see gact_graph/sparse/gat.py).
+    On CUDA the edge stage runs on the fused Triton kernels (`gact_graph.kernels.gat_edge`)."""
     torch.manual_seed(0)
     n = 4000
     ei, x, y = torch.randint(0, n, (2, 2 * n)), torch.randn(n, 16), torch.randint(0, 4, (n,))
-    model = _FirstColumns(GATConv(16, 2, heads=4), 4)
+    ei, x, y = ei.to(device), x.to(device), y.to(device)
+    model = _FirstColumns(GATConv(16, 2, heads=4), 4).to(device)
     ref, got, _ = _quantized_grads(model, x, ei, y, 8, bits=2, adaptive=False, min_numel=0)
     names, sizes = zip(*[(name, p.numel()) for name, p in model.named_parameters()])
     ref = dict(zip(names, ref.split(sizes)))
