@@ -70,6 +70,9 @@ __all__ = [
     "gat_edge_dropout_keep",
     "gat_edge_forward",
     "gat_edge_reference",
+    "gatv2_edge_backward",
+    "gatv2_edge_forward",
+    "gatv2_edge_reference",
 ]
 
 #: Feature dtypes the kernels take (they accumulate in fp32; float64 stays on the PyTorch path).
@@ -296,6 +299,199 @@ if triton is not None:
         tl.store(keep_ptr + k * H + h, (mult != 0).to(tl.int8), mask=k < num_edges)
 
 
+
+    # ------------------------------------------------------------------------ GATv2
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_fwd_kernel(
+        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr,
+        out_ptr, m_ptr, s_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        DROPOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r
+            live = row < num_rows
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            xr = xr.to(tl.float32)
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            acc = tl.zeros((BLOCK_C,), tl.float32)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                xl = tl.load(
+                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                z = xl + xr[None, :]
+                z = tl.where(z > 0, z, z * slope)
+                logit = tl.sum(z * att[None, :], 1)
+                logit = tl.where(emask, logit, float("-inf"))
+                m_new = tl.maximum(m, tl.max(logit, 0))
+                rescale = tl.exp(m - m_new)
+                ex = tl.exp(logit - m_new)
+                s = s * rescale + tl.sum(ex, 0)
+                w = ex
+                if DROPOUT:
+                    w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                acc = acc * rescale + tl.sum(w[:, None] * xl, 0)
+                m = m_new
+            s = s + 1e-16
+            tl.store(
+                out_ptr + row * HC + h * C + offs_c,
+                (acc / s).to(out_ptr.dtype.element_ty), mask=row_c,
+            )  # fmt: skip
+            tl.store(m_ptr + row * H + h, m, mask=live)
+            tl.store(s_ptr + row * H + h, s, mask=live)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_bwd_dst_kernel(
+        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr, go_ptr,
+        d_ptr, gxr_ptr, gatt_part_ptr,
+        num_rows, num_programs, H, C, slope, p, drop_scale,
+        NEED_R: tl.constexpr, NEED_ATT: tl.constexpr, DROPOUT: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # A fixed number of programs per head, each walking rows pid, pid + P, ...: the
+        # attention vector's gradient is summed per program (P x H x C partials), no atomics.
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        gatt = tl.zeros((BLOCK_C,), tl.float32)
+        for row in range(pid.to(tl.int64), num_rows, num_programs):
+            start = tl.load(rowptr_ptr + row)
+            end = tl.load(rowptr_ptr + row + 1)
+            m = tl.load(m_ptr + row * H + h)
+            s = tl.load(s_ptr + row * H + h)
+            go = tl.load(go_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
+            go = go.to(tl.float32)
+            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
+            xr = xr.to(tl.float32)
+            sum_ag = tl.zeros((), tl.float32)
+            v1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu(z)
+            v2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu(z)
+            w1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu'(z)
+            w2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu'(z)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                xl = tl.load(
+                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                z = xl + xr[None, :]
+                dz = tl.where(z > 0, 1.0, slope)
+                lz = z * dz
+                logit = tl.sum(lz * att[None, :], 1)
+                alpha = tl.exp(logit - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                g = tl.sum(xl * go[None, :], 1)
+                if DROPOUT:
+                    g = g * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                ag = alpha * g
+                sum_ag += tl.sum(ag, 0)
+                if NEED_ATT:
+                    v1 += tl.sum(ag[:, None] * lz, 0)
+                    v2 += tl.sum(alpha[:, None] * lz, 0)
+                if NEED_R:
+                    w1 += tl.sum(ag[:, None] * dz, 0)
+                    w2 += tl.sum(alpha[:, None] * dz, 0)
+            tl.store(d_ptr + row * H + h, sum_ag)
+            if NEED_ATT:
+                gatt += v1 - sum_ag * v2
+            if NEED_R:
+                gxr = att * (w1 - sum_ag * w2)
+                tl.store(
+                    gxr_ptr + row * HC + h * C + offs_c, gxr.to(gxr_ptr.dtype.element_ty),
+                    mask=cmask,
+                )  # fmt: skip
+        if NEED_ATT:
+            tl.store(gatt_part_ptr + (pid.to(tl.int64) * H + h) * C + offs_c, gatt, mask=cmask)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_bwd_src_kernel(
+        xl_ptr, xr_ptr, att_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
+        m_ptr, s_ptr, go_ptr, d_ptr, gxl_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        HAS_POS: tl.constexpr, DROPOUT: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r  # a source node
+            live = row < num_rows
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(t_rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(t_rowptr_ptr + row + 1, mask=live, other=0)
+            xs = tl.load(xl_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            xs = xs.to(tl.float32)
+            gx = tl.zeros((BLOCK_C,), tl.float32)
+            for j0 in range(start, end, BLOCK_E):
+                j = j0 + offs_e
+                emask = j < end
+                dst = tl.load(t_col_ptr + j, mask=emask, other=0).to(tl.int64)
+                tile = emask[:, None] & cmask[None, :]
+                xr = tl.load(
+                    xr_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
+                ).to(tl.float32)
+                go = tl.load(
+                    go_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
+                ).to(tl.float32)
+                z = xs[None, :] + xr
+                dz = tl.where(z > 0, 1.0, slope)
+                logit = tl.sum(z * dz * att[None, :], 1)
+                m = tl.load(m_ptr + dst * H + h, mask=emask, other=0.0)
+                s = tl.load(s_ptr + dst * H + h, mask=emask, other=1.0)
+                dd = tl.load(d_ptr + dst * H + h, mask=emask, other=0.0)
+                alpha = tl.exp(logit - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                beta = alpha
+                if DROPOUT:
+                    if HAS_POS:
+                        k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
+                    else:
+                        k = j
+                    beta = alpha * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                g = tl.sum(go * xs[None, :], 1)
+                dl = beta * g - alpha * dd  # alpha * (r <dO, x_l> - D)
+                gx += tl.sum(beta[:, None] * go + dl[:, None] * dz * att[None, :], 0)
+            tl.store(
+                gxl_ptr + row * HC + h * C + offs_c, gx.to(gxl_ptr.dtype.element_ty),
+                mask=row_c,
+            )  # fmt: skip
+
 # ---------------------------------------------------------------------------- blocking
 #: (BLOCK_E, ROWS, num_warps) candidates; the first is the untimed default.
 _CANDIDATES = [(16, 1, 4), (32, 1, 4), (16, 4, 4), (64, 1, 4), (32, 2, 8), (128, 1, 8)]
@@ -316,15 +512,18 @@ def _candidates(bucket: int) -> list[tuple[int, int, int]]:
     return [default] + rest
 
 
-def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None):
+def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None, rows=True):
     """``config`` if given, else the cached or (on CUDA, outside graph capture) timed
-    blocking for ``key``; ``run(config)`` launches the kernel."""
+    blocking for ``key``; ``run(config)`` launches the kernel. ``rows=False``: a kernel that
+    ignores rows per program (candidates differing only there are timed once)."""
     if config is not None:
         return config
     hit = _TUNED.get(key)
     if hit is not None:
         return hit
     cands = _candidates(bucket)
+    if not rows:
+        cands = list(dict.fromkeys((c[0], 1, c[2]) for c in cands))
     if device.type != "cuda" or len(cands) == 1 or torch.cuda.is_current_stream_capturing():
         return cands[0]
     best, best_t = cands[0], float("inf")
@@ -490,6 +689,157 @@ def gat_edge_backward(
     return grad_x, grad_src, grad_dst
 
 
+def _check_v2(x_l: Tensor, x_r: Tensor, att: Tensor, rowptr: Tensor, col: Tensor) -> None:
+    if x_l.dim() != 3 or x_r.dim() != 3 or x_l.shape[1:] != x_r.shape[1:]:
+        raise ValueError(
+            f"x_l and x_r must be N x H x C alike, got {tuple(x_l.shape)}, {tuple(x_r.shape)}"
+        )
+    if x_l.dtype not in KERNEL_DTYPES or x_r.dtype != x_l.dtype:
+        raise ValueError(f"x_l and x_r must share one of {KERNEL_DTYPES}")
+    if att.numel() != x_l.shape[1] * x_l.shape[2]:
+        raise ValueError(f"att must hold H x C = {x_l.shape[1] * x_l.shape[2]} values")
+    if x_r.shape[0] != rowptr.numel() - 1:
+        raise ValueError("x_r must have one row per destination (rowptr's length - 1)")
+    if rowptr.dtype != torch.int64 or rowptr.dim() != 1 or col.dim() != 1:
+        raise ValueError("rowptr must be 1-D int64 and col 1-D (destination-sorted CSR)")
+    if col.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"col must be int32 or int64, got {col.dtype}")
+
+
+def _persistent_programs(device: torch.device, num_rows: int) -> int:
+    """Programs per head of `_gatv2_edge_bwd_dst_kernel`: a few per multiprocessor (from the
+    device alone, so the grid never depends on the graph beyond tiny ones)."""
+    if device.type == "cuda":
+        per_device = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        per_device = 4
+    return max(1, min(per_device, num_rows))
+
+
+def gatv2_edge_forward(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GATv2's edge stage: ``(out, m, s)`` as `gat_edge_forward`, with the logits
+    ``<att[h], leaky_relu(x_l[src, h] + x_r[dst, h])>``; ``x_l`` N_src x H x C (also the
+    message), ``x_r`` N_dst x H x C, ``att`` H x C values (PyG's 1 x H x C)."""
+    _require_triton()
+    _check_v2(x_l, x_r, att, rowptr, col)
+    num_dst = rowptr.numel() - 1
+    _, heads, channels = x_l.shape
+    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
+    out = torch.empty(num_dst, heads, channels, dtype=out_dtype or x_l.dtype, device=x_l.device)
+    m = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
+    s = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
+    if num_dst == 0 or heads * channels == 0:
+        return out.zero_(), m.fill_(float("-inf")), s.fill_(SOFTMAX_EPS)
+    bucket = degree_bucket(col.numel(), num_dst)
+    block_c = triton.next_power_of_2(channels)
+
+    def run(cfg):
+        block_e, rows, warps = cfg
+        _gatv2_edge_fwd_kernel[(triton.cdiv(num_dst, rows), heads)](
+            x_l, x_r, att, rowptr, col, seed_t, out, m, s, num_dst, heads, channels,
+            float(negative_slope), float(dropout), drop_scale, DROPOUT=drop, ROWS=rows,
+            BLOCK_E=block_e, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+
+    key = ("v2_fwd", heads, channels, x_l.dtype, out.dtype, bucket, drop)
+    run(_blocking(key, bucket, run, x_l.device, config))
+    return out, m, s
+
+
+def gatv2_edge_backward(
+    grad_out: Tensor,
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    t_rowptr: Tensor,
+    t_col: Tensor,
+    t_pos: Tensor | None,
+    m: Tensor,
+    s: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(grad x_l, grad x_r, grad att)`` of `gatv2_edge_forward` (None where ``needs`` says
+    so), from its statistics; the transpose as in `gat_edge_backward`. With ``g = r <dO[d],
+    x_l[src]>``, ``D[d] = sum alpha g`` and ``dl = alpha (g - D)``: grad att ``= sum_e dl
+    leaky_relu(z_e)``, grad x_r[d] ``= att * sum_e dl leaky_relu'(z_e)`` (a pass over the CSR
+    rows, the attention vector's sum per program, then summed), grad x_l[s] ``= sum_e alpha r
+    dO[d] + att * dl leaky_relu'(z_e)`` (a pass over the transpose's rows)."""
+    _require_triton()
+    _check_v2(x_l, x_r, att, rowptr, col)
+    need_l, need_r, need_att = needs
+    num_dst, num_src = rowptr.numel() - 1, x_l.shape[0]
+    _, heads, channels = x_l.shape
+    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
+        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
+    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
+    grad_out = grad_out.contiguous()
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
+    dev = x_l.device
+    grad_l = torch.empty_like(x_l) if need_l else None
+    grad_r = torch.empty_like(x_r) if need_r else None
+    grad_att = None
+    if heads * channels == 0 or not (need_l or need_r or need_att):
+        if need_att:
+            grad_att = torch.zeros_like(att)
+        return tuple(None if g is None else g.zero_() for g in (grad_l, grad_r)) + (grad_att,)
+    bucket = degree_bucket(col.numel(), max(num_dst, 1))
+    block_c = triton.next_power_of_2(channels)
+    slope, p = float(negative_slope), float(dropout)
+    d = torch.zeros(num_dst, heads, dtype=torch.float32, device=dev)
+    programs = _persistent_programs(dev, num_dst)
+    part = torch.zeros(programs, heads, channels, dtype=torch.float32, device=dev)
+    if num_dst > 0:
+
+        def run_dst(cfg):
+            block_e, _, warps = cfg
+            _gatv2_edge_bwd_dst_kernel[(programs, heads)](
+                x_l, x_r, att, rowptr, col, seed_t, m, s, grad_out, d,
+                grad_r if need_r else x_r, part, num_dst, programs, heads, channels, slope, p,
+                drop_scale, NEED_R=need_r, NEED_ATT=need_att, DROPOUT=drop, BLOCK_E=block_e,
+                BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+
+        key = ("v2_bwd_dst", heads, channels, x_l.dtype, grad_out.dtype, bucket, need_r,
+               need_att, drop)  # fmt: skip
+        run_dst(_blocking(key, bucket, run_dst, dev, config, rows=False))
+    elif need_r:
+        grad_r.zero_()
+    if need_att:
+        grad_att = part.sum(0).reshape(att.shape).to(att.dtype)
+    if need_l and num_src > 0:
+
+        def run_src(cfg):
+            block_e, rows, warps = cfg
+            _gatv2_edge_bwd_src_kernel[(triton.cdiv(num_src, rows), heads)](
+                x_l, x_r, att, t_rowptr, t_col, t_pos if t_pos is not None else t_col, seed_t,
+                m, s, grad_out, d, grad_l, num_src, heads, channels, slope, p, drop_scale,
+                HAS_POS=t_pos is not None, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e,
+                BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+
+        key = ("v2_bwd_src", heads, channels, x_l.dtype, grad_out.dtype, bucket, drop)
+        run_src(_blocking(key, bucket, run_src, dev, config))
+    return grad_l, grad_r, grad_att
+
+
 def gat_edge_dropout_keep(seed: Tensor, num_edges: int, heads: int, dropout: float) -> Tensor:
     """The keep-mask (bool, E x H, CSR order) the kernels draw for ``seed`` and ``dropout``:
     materialized for tests and debugging only (the kernels never store it)."""
@@ -554,6 +904,11 @@ def gat_edge_reference(
     if a_dst is not None:
         pre = pre + a_dst.float()[dst]
     logit = torch.nn.functional.leaky_relu(pre, negative_slope)
+    return _attend(logit, x, src, dst, num_dst, dropout, keep).to(out_dtype)
+
+
+def _attend(logit, x, src, dst, num_dst: int, dropout: float, keep) -> Tensor:
+    """The references' softmax (PyG's), dropout by ``keep`` and aggregation, in fp32."""
     zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
     idx = dst.unsqueeze(-1).expand_as(logit)
     m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
@@ -565,4 +920,28 @@ def gat_edge_reference(
         alpha = alpha * (keep.to(alpha.dtype) * (0.0 if dropout >= 1 else 1.0 / (1.0 - dropout)))
     msg = alpha.unsqueeze(-1) * x.float()[src]
     out = torch.zeros(num_dst, *x.shape[1:], dtype=msg.dtype, device=msg.device)
-    return out.index_add(0, dst, msg).to(out_dtype)
+    return out.index_add(0, dst, msg)
+
+
+def gatv2_edge_reference(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """Stock-autograd oracle of the GATv2 kernels (materializes E x H x C; tests only):
+    ``logit = <att, leaky_relu(x_l[src] + x_r[dst])>``, then as `gat_edge_reference`."""
+    num_dst = rowptr.numel() - 1
+    out_dtype = torch.promote_types(x_l.dtype, att.dtype)
+    dst = torch.repeat_interleave(
+        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
+        output_size=col.numel(),
+    )  # fmt: skip
+    src = col.long()
+    z = torch.nn.functional.leaky_relu(x_l.float()[src] + x_r.float()[dst], negative_slope)
+    logit = (z * att.float().reshape(1, *x_l.shape[1:])).sum(-1)
+    return _attend(logit, x_l, src, dst, num_dst, dropout, keep).to(out_dtype)

@@ -96,11 +96,13 @@ __all__ = [
     "EDGE_KERNEL",
     "GatAttentionFunction",
     "GatFusedFunction",
+    "GatV2FusedFunction",
     "GatV2AttentionFunction",
     "gat_attention",
     "gat_attention_fused",
     "fused_kernel_applies",
     "gatv2_attention",
+    "gatv2_attention_fused",
     "gat_attention_reference",
     "gatv2_attention_reference",
     "csr_destinations",
@@ -572,7 +574,7 @@ def _attend_reference(logit, x_src, col, dst, num_dst, dropout, perm) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- fused kernels
-#: Which edge stage the patched `GATConv` runs: ``"auto"``, the fused Triton kernels
+#: Which edge stage the patched `GATConv` / `GATv2Conv` run: ``"auto"``, the fused Triton kernels
 #: (`gact_graph.kernels.gat_edge`) on CUDA tensors where they apply, else the chunked PyTorch
 #: stage; ``"triton"``, the kernels wherever they apply, CPU tensors included (which works only
 #: under ``TRITON_INTERPRET=1``: the tests); ``"chunked"``, never the kernels.
@@ -669,6 +671,69 @@ def gat_attention_fused(
     t_rowptr, t_col, t_pos = transpose
     return GatFusedFunction.apply(
         x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
+        keep_lossless,
+    )  # fmt: skip
+
+
+class GatV2FusedFunction(torch.autograd.Function):
+    """`GatV2AttentionFunction`'s edge stage on the fused Triton kernels (`GatFusedFunction`'s
+    counterpart): ``forward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos,
+    negative_slope, dropout, keep_lossless)``. Saves ``x_l``, ``x_r``, ``att``, the CSR and
+    its transpose, the softmax statistics and the dropout seed; no E x H tensor (the chunked
+    stage keeps its E x H logits)."""
+
+    @staticmethod
+    def forward(ctx, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
+                dropout, keep_lossless):  # fmt: skip
+        from gact_graph.kernels import gat_edge
+
+        _check_common(x_l, rowptr, col, dropout, None)
+        p, slope = float(dropout), float(negative_slope)
+        seed = gat_edge.draw_seed(x_l.device) if p > 0 else None
+        out_dtype = torch.promote_types(x_l.dtype, att.dtype)
+        out, m, s = gat_edge.gatv2_edge_forward(
+            x_l, x_r, att, rowptr, col, slope, p, seed, out_dtype=out_dtype
+        )
+        if keep_lossless is not None:
+            keep_lossless(m)
+            keep_lossless(s)
+        ctx.save_for_backward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed)
+        ctx.negative_slope, ctx.dropout = slope, p
+        return out
+
+    @staticmethod
+    @differentiable_once("the fused graph attention (sparse=True)")
+    def backward(ctx, grad_out):
+        from gact_graph.kernels import gat_edge
+
+        x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        grads = gat_edge.gatv2_edge_backward(
+            grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+            ctx.negative_slope, ctx.dropout, seed, needs=tuple(ctx.needs_input_grad[:3]),
+        )  # fmt: skip
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def gatv2_attention_fused(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    transpose: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    keep_lossless=None,
+) -> Tensor:
+    """`GatV2FusedFunction.apply` with keyword defaults (``transpose`` as in
+    `gat_attention_fused`)."""
+    if transpose is None:
+        from gact_graph.kernels import gat_edge
+
+        transpose = gat_edge.csr_transpose(rowptr, col, x_l.shape[0])
+    t_rowptr, t_col, t_pos = transpose
+    return GatV2FusedFunction.apply(
+        x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
         keep_lossless,
     )  # fmt: skip
 
@@ -1054,10 +1119,18 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
 
     adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
     p = float(module.dropout) if module.training else 0.0
-    out = gatv2_attention(
-        x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
-        chunk_bytes=_chunk_bytes(ctl),
-    )  # fmt: skip
+    lossless = ctl.config.bits is None
+    if x_r.dtype == x_l.dtype and fused_kernel_applies(x_l, module.att, p, lossless):
+        keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
+        out = gatv2_attention_fused(
+            x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
+            transpose=_adjacency_transpose(adj, p), keep_lossless=keep,
+        )  # fmt: skip
+    else:
+        out = gatv2_attention(
+            x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
+            chunk_bytes=_chunk_bytes(ctl),
+        )  # fmt: skip
     del x_l, x_r  # saved by now (see GATConv's)
     return _finish(module, out, res)
 

@@ -1,4 +1,4 @@
-"""Fused GAT edge-stage kernels (`gact_graph.kernels.gat_edge`) against their references:
+"""Fused GAT / GATv2 edge-stage kernels (`gact_graph.kernels.gat_edge`) against their references:
 values and every gradient, dropout on and off (the kernels' own mask, materialized by
 `gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one huge-degree
 row, H = 1 and 8, C not a power of two; and the patched `GATConv` on the kernels against the
@@ -110,8 +110,9 @@ def assert_close(a, b, tol, what):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
-def check_against_reference(kind, heads, channels, dtype, p=0.0, has_dst=True, config=None):
-    rowptr, col, n = graph(kind)
+def check_against_reference(kind, heads, channels, dtype, p=0.0, has_dst=True, config=None,
+                            n=14):  # fmt: skip
+    rowptr, col, n = graph(kind, n=n)
     x, a_src, a_dst = inputs(n, heads, channels, dtype, has_dst)
     seed = torch.tensor([20261126], dtype=torch.int64, device=x.device) if p > 0 else None
     grad_out = torch.randn(n, heads, channels, device=x.device)
@@ -138,7 +139,8 @@ def check_against_reference(kind, heads, channels, dtype, p=0.0, has_dst=True, c
      ("empty_rows", 3, 4, False)],
 )  # fmt: skip
 def test_matches_reference_fp32(kind, heads, channels, has_dst):
-    check_against_reference(kind, heads, channels, torch.float32, has_dst=has_dst)
+    n = 8 if heads == 8 else 14  # (the interpreter's time grows with nodes x heads)
+    check_against_reference(kind, heads, channels, torch.float32, has_dst=has_dst, n=n)
 
 
 @needs_kernels
@@ -264,6 +266,80 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     assert quantized == [(n, 2, 5)], quantized
 
 
+# ---------------------------------------------------------------------------- GATv2
+def check_v2_against_reference(kind, heads, channels, dtype, p=0.0, config=None, same=False,
+                               n=14):  # fmt: skip
+    """GATv2's kernels against `gatv2_edge_reference` (``same``: x_r is x_l, as in a
+    `GATv2Conv` with shared weights)."""
+    rowptr, col, n = graph(kind, n=n)
+    g = torch.Generator().manual_seed(3)
+    x_l = torch.randn(n, heads, channels, generator=g).to(DEVICE, dtype)
+    x_r = x_l if same else torch.randn(n, heads, channels, generator=g).to(DEVICE, dtype)
+    att = torch.randn(1, heads, channels, generator=g).to(DEVICE)
+    seed = torch.tensor([99], dtype=torch.int64, device=DEVICE) if p > 0 else None
+    grad_out = torch.randn(n, heads, channels, device=DEVICE)
+    out, m, s = ge.gatv2_edge_forward(
+        x_l, x_r, att, rowptr, col, 0.2, p, seed, out_dtype=torch.float32, config=config
+    )
+    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, n)
+    grads = ge.gatv2_edge_backward(
+        grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, 0.2, p, seed,
+        config=config,
+    )  # fmt: skip
+    keep = ge.gat_edge_dropout_keep(seed, col.numel(), heads, p) if p > 0 else None
+    leaves = [t.detach().float().requires_grad_() for t in (x_l, x_r, att)]
+    ref = ge.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
+    ref.backward(grad_out)
+    assert_close(out, ref, TOL[dtype], "out")
+    for name, got, leaf, want in zip(("x_l", "x_r", "att"), grads, leaves, (x_l, x_r, att)):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert_close(got, leaf.grad, TOL[dtype] * 2, f"grad {name}")
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind, heads, channels, p, same",
+    [("empty_rows", 1, 3, 0.0, False), ("plain", 8, 17, 0.0, True),
+     ("huge_row", 2, 5, 0.5, False)],
+)  # fmt: skip
+def test_gatv2_matches_reference(kind, heads, channels, p, same):
+    n = 8 if heads == 8 else 14  # (the interpreter's time grows with nodes x heads)
+    check_v2_against_reference(kind, heads, channels, torch.float32, p=p, same=same, n=n)
+
+
+@needs_kernels
+def test_gatv2_half_and_blocking():
+    check_v2_against_reference("huge_row", 2, 6, torch.bfloat16, config=(32, 3, 4))
+
+
+@needs_kernels
+def test_patched_gatv2conv_on_kernels_matches_chunked(monkeypatch):
+    from torch_geometric.nn import GATv2Conv
+
+    from gact_graph import compress_gnn
+    from gact_graph.sparse import gat as sgat
+
+    calls = count_calls(monkeypatch, "gatv2_edge_forward")
+    torch.manual_seed(0)
+    n = 14
+    ei = torch.randint(0, n, (2, 40)).to(DEVICE)
+    x = torch.randn(n, 6, device=DEVICE)
+    for share in (False, True):
+        results = {}
+        for kernel in ("chunked", "triton"):
+            monkeypatch.setattr(sgat, "EDGE_KERNEL", kernel)
+            torch.manual_seed(1)
+            conv = GATv2Conv(6, 4, heads=2, share_weights=share).to(DEVICE)
+            compress_gnn(conv, bits=None)
+            out = conv(x, ei)
+            out.square().sum().backward()
+            results[kernel] = (out.detach(), [p.grad.clone() for p in conv.parameters()])
+        assert_close(results["triton"][0], results["chunked"][0], 2e-5, "out")
+        for g, r in zip(results["triton"][1], results["chunked"][1]):
+            assert_close(g, r, 5e-5, "parameter grad")
+    assert calls == [1, 1]
+
+
 @needs_kernels
 def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch):
     """Under CB1 (each block checkpointed, recomputed from its quantized input in backward)
@@ -326,6 +402,34 @@ def test_cuda_moderate_graph(dtype, p, request):
         assert_close(g, r, tol, "grad")
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_cuda_gatv2_moderate_graph(p, request):
+    for mark in cuda:
+        request.applymarker(mark)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    n, e, heads, channels = 70_000, 400_000, 3, 24
+    src, dst = torch.randint(0, n, (e,)), torch.randint(0, n - 10, (e,))
+    rowptr, col = csr(src, dst, n, "cuda")
+    x_l, x_r = torch.randn(2, n, heads, channels, device="cuda")
+    att = torch.randn(1, heads, channels, device="cuda")
+    seed = torch.tensor([11], dtype=torch.int64, device="cuda") if p else None
+    grad_out = torch.randn(n, heads, channels, device="cuda")
+    out, m, s = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, p, seed)
+    grads = ge.gatv2_edge_backward(
+        grad_out, x_l, x_r, att, rowptr, col, *ge.csr_transpose(rowptr, col, n), m, s, 0.2, p,
+        seed,
+    )  # fmt: skip
+    keep = ge.gat_edge_dropout_keep(seed, e, heads, p) if p else None
+    leaves = [t.clone().requires_grad_() for t in (x_l, x_r, att)]
+    ref = ge.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
+    ref.backward(grad_out)
+    assert_close(out, ref, 1e-4, "out")
+    for g, leaf in zip(grads, leaves):
+        assert_close(g, leaf.grad, 1e-4, "grad")
+
+
 def test_cuda_steady_state_makes_no_host_sync(request):
     for mark in cuda:
         request.applymarker(mark)
@@ -340,9 +444,16 @@ def test_cuda_steady_state_makes_no_host_sync(request):
     for _ in range(2):  # the first call tunes the blocking (timed: syncs)
         sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
     torch.cuda.synchronize()
+    att = torch.randn(1, 3, 32, device="cuda", requires_grad=True)
+    for _ in range(2):
+        sgat.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
+                                   transpose).sum().backward()  # fmt: skip
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
+        sgat.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
+                                   transpose).sum().backward()  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
