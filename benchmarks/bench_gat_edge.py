@@ -1,5 +1,5 @@
-"""GAT's edge stage, forward + backward: the fused Triton kernels against the chunked PyTorch
-stage and stock PyG's message passing.
+"""GAT's (or GATv2's) edge stage, forward + backward: the fused Triton kernels against the
+chunked PyTorch stage and stock PyG's message passing.
 
 The edge stage is everything between the node-level logits and the aggregated output: per
 edge ``a_src[src] + a_dst[dst]``, leaky ReLU, the softmax over each destination's edges,
@@ -16,6 +16,7 @@ undirected (both directions), self-loops added as GAT adds them; H = 3 heads of 
 Usage::
 
     python benchmarks/bench_gat_edge.py --json out.json          # CUDA, arxiv size
+    python benchmarks/bench_gat_edge.py --op gatv2 --dropout 0.1  # GATv2, with dropout
     python benchmarks/bench_gat_edge.py --dry-run                  # CPU, a tiny graph
     TRITON_INTERPRET=1 python benchmarks/bench_gat_edge.py --dry-run   # + the kernels, interpreted
 """
@@ -66,6 +67,16 @@ def stock_edge_stage(x, a_src, a_dst, edge_index, slope: float, p: float):
     return scatter(alpha.unsqueeze(-1) * x[src], dst, 0, x.size(0), reduce="sum")
 
 
+def stock_gatv2_edge_stage(x_l, x_r, att, edge_index, slope: float, p: float):
+    """`GATv2Conv`'s edge stage as PyG 2.8 runs it (message, aggregate)."""
+    src, dst = edge_index
+    x_j = x_l[src]
+    z = torch.nn.functional.leaky_relu(x_j + x_r[dst], slope)
+    alpha = softmax((z * att).sum(-1), dst, num_nodes=x_l.size(0))
+    alpha = torch.nn.functional.dropout(alpha, p, training=p > 0)
+    return scatter(alpha.unsqueeze(-1) * x_j, dst, 0, x_l.size(0), reduce="sum")
+
+
 def _timed(fn, device: torch.device, repeats: int) -> tuple[float, int | None]:
     """(median ms, peak bytes above the start or None) of ``fn``."""
     if device.type == "cuda":
@@ -98,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
     a_src = torch.randn(n, h, generator=g).to(device).requires_grad_()
     a_dst = torch.randn(n, h, generator=g).to(device).requires_grad_()
     grad_out = torch.randn(n, h, c, generator=g).to(device, torch.promote_types(dtype, a_src.dtype))
-    leaves = (x, a_src, a_dst)
+    leaves = [x, a_src, a_dst]
     transpose = gat_edge.csr_transpose(rowptr, col, n)
     slope, p = 0.2, args.dropout
 
@@ -110,17 +121,30 @@ def run(args: argparse.Namespace) -> dict:
 
         return fn
 
-    variants = {
-        "stock PyG": step(lambda: stock_edge_stage(x, a_src, a_dst, ei, slope, p)),
-        "chunked": step(lambda: sgat.gat_attention(x, a_src, a_dst, rowptr, col, slope, p)),
-    }
     kernels_run = triton_available() and (
         device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     )
-    if kernels_run:
-        variants["triton"] = step(
-            lambda: sgat.gat_attention_fused(x, a_src, a_dst, rowptr, col, slope, p, transpose)
-        )
+    if args.op == "gat":
+        variants = {
+            "stock PyG": step(lambda: stock_edge_stage(x, a_src, a_dst, ei, slope, p)),
+            "chunked": step(lambda: sgat.gat_attention(x, a_src, a_dst, rowptr, col, slope, p)),
+        }
+        if kernels_run:
+            variants["triton"] = step(
+                lambda: sgat.gat_attention_fused(x, a_src, a_dst, rowptr, col, slope, p, transpose)
+            )
+    else:  # GATv2: x_l = x, x_r and att in place of the node logits
+        x_r = torch.randn(n, h, c, generator=g).to(device, dtype).requires_grad_()
+        att = torch.randn(1, h, c, generator=g).to(device).requires_grad_()
+        leaves[:] = [x, x_r, att]
+        variants = {
+            "stock PyG": step(lambda: stock_gatv2_edge_stage(x, x_r, att, ei, slope, p)),
+            "chunked": step(lambda: sgat.gatv2_attention(x, x_r, att, rowptr, col, slope, p)),
+        }
+        if kernels_run:
+            variants["triton"] = step(
+                lambda: sgat.gatv2_attention_fused(x, x_r, att, rowptr, col, slope, p, transpose)
+            )
     rows = []
     for name, fn in variants.items():
         ms, peak = _timed(fn, device, args.repeats)
@@ -130,6 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         r["vs_stock"] = r["ms"] / base
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
+        "op": args.op,
         "device": device_name,
         "nodes": n,
         "edges_with_loops": int(col.numel()),
@@ -144,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def format_table(res: dict) -> str:
     lines = [
-        f"GAT edge stage fwd+bwd on {res['device']}: {res['nodes']:,} nodes, "
+        f"{res['op'].upper()} edge stage fwd+bwd on {res['device']}: {res['nodes']:,} nodes, "
         f"{res['edges_with_loops']:,} edges, H={res['heads']}, C={res['channels']}, "
         f"{res['dtype']}, dropout {res['dropout']}; triton {res['triton']}",
         f"{'variant':<12} {'ms':>10} {'vs stock':>9} {'peak MiB':>9}",
@@ -159,6 +184,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
+    ap.add_argument("--op", choices=["gat", "gatv2"], default="gat")
     ap.add_argument("--nodes", type=int, default=169_343)
     ap.add_argument("--edges", type=int, default=1_166_243, help="before both directions")
     ap.add_argument("--heads", type=int, default=3)

@@ -1,4 +1,5 @@
-"""GAT's edge stage as fused Triton kernels over a destination-sorted CSR, and its reference.
+"""GAT's and GATv2's edge stages as fused Triton kernels over a destination-sorted CSR, and
+their references.
 
 The edge stage of a GAT layer, per destination ``d``, head ``h`` and channel ``c``::
 
@@ -34,22 +35,31 @@ gradient is ``dpre = dl * leaky_relu'(pre)``. Two kernels, neither with atomics:
   with their destinations and CSR positions): ``grad x[s] = sum_e alpha r dO[d]`` and
   ``grad a_src[s] = sum_e dpre``, recomputing alpha, ``r`` and ``g`` per edge.
 
+**GATv2** (`_gatv2_edge_*`): the logits are ``<att[h], leaky_relu(x_l[src] + x_r[d])>``; the
+same structure, with ``x_l`` both the logits' input and the message (one gather per edge
+forward). Backward's row pass makes ``D``, ``grad x_r[d] = att * sum_e dl leaky_relu'(z)`` and
+``grad att = sum_e dl leaky_relu(z)`` from running sums in one pass (``dl = alpha (g - D)``
+expands into sums weighted by ``alpha g`` and by ``alpha``); it runs a fixed number of
+programs per head, each over a stride of rows, so that ``grad att`` is summed per program into
+a small P x H x C buffer instead of with atomics. The transpose pass makes ``grad x_l``.
+
 No E x H x C and no E x H tensor exists in either direction. Everything accumulates in fp32;
 offsets into N x H x C tensors are int64.
 
 **Blocking** (edges per block, rows per program, warps) is chosen lazily per kernel, head
 count, width, dtype and a coarse degree bucket (the mean degree ``E / N`` rounded to a power of
 two, from the shapes alone), timed once on CUDA and cached; never keyed on exact node or edge
-counts, so mini-batches do not re-tune. Under Triton's CPU interpreter the first candidate is
-used.
+counts, so mini-batches do not re-tune. Under Triton's CPU interpreter, and with
+``GACT_GRAPH_GAT_TUNE=0``, the first candidate is used untimed.
 
-`gat_edge_reference` is the stock-autograd oracle (it materializes E x H x C; tests only),
-taking the dropout keep-mask explicitly.
+`gat_edge_reference` and `gatv2_edge_reference` are the stock-autograd oracles (they
+materialize E x H x C; tests only), taking the dropout keep-mask explicitly.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -496,6 +506,9 @@ if triton is not None:
 #: (BLOCK_E, ROWS, num_warps) candidates; the first is the untimed default.
 _CANDIDATES = [(16, 1, 4), (32, 1, 4), (16, 4, 4), (64, 1, 4), (32, 2, 8), (128, 1, 8)]
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
+#: ``GACT_GRAPH_GAT_TUNE=0``: never time candidates, take the default blocking (each timed
+#: candidate is one more compilation in a process's first steps).
+TUNE = os.environ.get("GACT_GRAPH_GAT_TUNE", "1") != "0"
 
 
 def degree_bucket(num_edges: int, num_rows: int) -> int:
@@ -524,7 +537,9 @@ def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None, r
     cands = _candidates(bucket)
     if not rows:
         cands = list(dict.fromkeys((c[0], 1, c[2]) for c in cands))
-    if device.type != "cuda" or len(cands) == 1 or torch.cuda.is_current_stream_capturing():
+    if not TUNE or device.type != "cuda" or len(cands) == 1:
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
         return cands[0]
     best, best_t = cands[0], float("inf")
     for c in cands:
