@@ -543,11 +543,29 @@ def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None, r
         return cands[0]
     best, best_t = cands[0], float("inf")
     for c in cands:
-        t = triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20)
+        try:
+            t = _time_ms(run, c)
+        except triton.runtime.errors.OutOfResources:  # too large for this device: skip it
+            continue
         if t < best_t:
             best, best_t = c, t
     _TUNED[key] = best
     return best
+
+
+def _time_ms(run, config, reps: int = 3) -> float:
+    """Mean milliseconds of ``run(config)`` after one warm-up call, with CUDA events only: no
+    buffer of its own (`triton.testing.do_bench` flushes the cache with a 256 MiB tensor, which
+    would land in the memory peak of the step that tunes)."""
+    run(config)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run(config)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _dropout_args(p: float, seed: Tensor | None, device: torch.device):

@@ -362,6 +362,38 @@ def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch
     assert _rel(cb1, l1) < 0.05
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_blocking_is_timed_once_per_key_and_skips_what_does_not_fit(monkeypatch):
+    """The tuner's bookkeeping (timings faked: this runs without a GPU): the fastest candidate
+    wins, is cached under its key (a second graph in the same degree bucket is not timed
+    again), a candidate the device cannot hold is skipped."""
+    import triton
+
+    timed = []
+    cost = {(16, 1, 4): 3.0, (32, 1, 4): 1.0, (16, 4, 4): 2.0}
+
+    def fake_time(run, config):
+        timed.append(config)
+        if config not in cost:
+            raise triton.runtime.errors.OutOfResources(1, 0, "shared memory")
+        return cost[config]
+
+    monkeypatch.setattr(ge, "_time_ms", fake_time)
+    monkeypatch.setattr(ge, "_TUNED", {})
+    monkeypatch.setattr(ge, "TUNE", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cuda_dev = torch.device("cuda")
+    key = ("fwd", 3, 128, ge.degree_bucket(14_000, 1_000))
+    assert ge._blocking(key, key[-1], None, cuda_dev) == (32, 1, 4)
+    assert len(timed) == len(ge._candidates(key[-1])) > 3  # others raised and were skipped
+    again = ("fwd", 3, 128, ge.degree_bucket(15_500, 1_100))
+    assert again == key and ge._blocking(again, again[-1], None, cuda_dev) == (32, 1, 4)
+    assert len(timed) == len(ge._candidates(key[-1]))  # not timed again
+    assert ge._blocking(key, 16, None, cuda_dev, config=(64, 2, 8)) == (64, 2, 8)
+    monkeypatch.setattr(ge, "TUNE", False)
+    assert ge._blocking(("other",), 16, None, cuda_dev) == ge._candidates(16)[0]
+
+
 def test_degree_bucket_is_coarse():
     assert ge.degree_bucket(0, 10) == 1
     assert ge.degree_bucket(14 * 1000, 1000) == 16
