@@ -490,6 +490,37 @@ def test_cuda_steady_state_makes_no_host_sync(request):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("conv_name", ["GATConv", "GATv2Conv"])
+def test_cuda_patched_layer_steady_state_makes_no_host_sync(conv_name, request, monkeypatch):
+    """A patched layer on the kernels (lossless, so nothing is quantized: the layer's own
+    wiring is what is checked) makes no host sync once its graph is cached and tuned."""
+    for mark in cuda:
+        request.applymarker(mark)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    import torch_geometric.nn as pyg_nn
+
+    from gact_graph import compress_gnn
+
+    torch.manual_seed(0)
+    n = 5000
+    ei = torch.randint(0, n, (2, 40_000), device="cuda")
+    x = torch.randn(n, 32, device="cuda")
+    conv = getattr(pyg_nn, conv_name)(32, 16, heads=3).cuda()
+    op = "gat_edge_forward" if conv_name == "GATConv" else "gatv2_edge_forward"
+    calls = count_calls(monkeypatch, op)
+    compress_gnn(conv, bits=None)
+    for _ in range(2):
+        conv(x, ei).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        conv(x, ei).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == 3  # every call ran on the kernels
+
+
 # ---------------------------------------------------------------------------- interpreter
 def _subprocess_env(**extra: str) -> dict:
     env = dict(os.environ, **extra)
