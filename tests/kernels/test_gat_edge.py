@@ -462,6 +462,27 @@ def test_cuda_gatv2_moderate_graph(p, request):
         assert_close(g, leaf.grad, 1e-4, "grad")
 
 
+def test_cuda_dropout_is_unbiased(request):
+    """E[out] over the kernels' masks (fresh seeds) = out without dropout: the dropout is
+    inverted, its draws independent across seeds."""
+    for mark in cuda:
+        request.applymarker(mark)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    rowptr, col, n = graph("huge_row")
+    rowptr, col = rowptr.cuda(), col.cuda()
+    x, a_src, a_dst = [t.cuda() for t in inputs(n, 2, 4, torch.float32, device="cpu")]
+    expected, _, _ = ge.gat_edge_forward(x, a_src, a_dst, rowptr, col, 0.2)
+    torch.manual_seed(0)
+    draws = torch.stack([
+        ge.gat_edge_forward(x, a_src, a_dst, rowptr, col, 0.2, 0.2, ge.draw_seed("cuda"))[0]
+        for _ in range(1000)
+    ])  # fmt: skip
+    assert not torch.equal(draws[0], draws[1])
+    err = (draws.mean(0) - expected).abs().mean() / expected.abs().mean()
+    assert err.item() < 0.03
+
+
 def test_cuda_steady_state_makes_no_host_sync(request):
     for mark in cuda:
         request.applymarker(mark)

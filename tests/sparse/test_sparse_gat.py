@@ -477,6 +477,32 @@ def test_dropout_is_unbiased():
     assert ((mean - expected).abs().mean() / expected.abs().mean()).item() < 0.03
 
 
+def test_fused_kernel_routing(monkeypatch):
+    """Which edge stage runs (`fused_kernel_applies`): the Triton kernels on CUDA tensors, or
+    anywhere when forced; never for float64 (exact on the chunked stage) nor for attention
+    dropout in lossless mode (stock's draw)."""
+    from gact_graph.kernels import triton_available
+
+    x = torch.randn(4, 2, 3)
+    logits = torch.randn(4, 2)
+    monkeypatch.delenv("GACT_GRAPH_FORCE_TRITON", raising=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "auto")
+    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)  # a CPU tensor
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    forced = triton_available()
+    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=False) == forced
+    assert sgat.fused_kernel_applies(x.half(), logits, 0.5, lossless=False) == forced
+    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=True) == forced
+    assert not sgat.fused_kernel_applies(x, logits, 0.5, lossless=True)
+    assert not sgat.fused_kernel_applies(x.double(), logits, 0.0, lossless=False)
+    assert not sgat.fused_kernel_applies(x, logits.double(), 0.0, lossless=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="EDGE_KERNEL"):
+        sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
+
+
 # ---------------------------------------------------------------------------- memory
 
 
