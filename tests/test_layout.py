@@ -20,7 +20,8 @@ ALLOWED = {
     "kernels": set(),
     "config": set(),
     "core": {"kernels", "config"},
-    "sparse": {"config", "lean", "once"},
+    # kernels: the fused attention's Triton kernels (plain tensors in and out)
+    "sparse": {"config", "kernels", "lean", "once"},
     # core: RowChunked, which BatchNorm's backward reads in the probe's partial backwards
     "ops": {"core", "config", "lean"},
     "policy": {"core", "kernels", "config", "lean"},

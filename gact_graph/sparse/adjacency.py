@@ -126,6 +126,7 @@ class CompactAdjacency:
         self.perm = perm
         self.weight_is_external = weight_is_external
         self._transpose: CompactAdjacency | None = None
+        self._transpose_positions: tuple[Tensor | None] | None = None  # see transpose_positions
         self._symmetric = False  # A^T == A: transpose() is self (a flag, not a ref cycle)
         self._symmetric_identity = False  # ... and A^T lists the edges in the same order
         self._ctl_ref: weakref.ref | None = None
@@ -145,6 +146,9 @@ class CompactAdjacency:
         out = [t for t in (self.rowptr, self.col, self.weight, self.perm) if t is not None]
         if with_transpose and self._transpose is not None:
             out += self._transpose.tensors(with_transpose=False)
+        pos = self._transpose_positions[0] if self._transpose_positions else None
+        if with_transpose and pos is not None and not any(t is pos for t in out):
+            out.append(pos)  # (the transpose's own perm when it kept one)
         return out
 
     @property
@@ -241,6 +245,21 @@ class CompactAdjacency:
         if at is self:
             return None if self._symmetric_identity else torch.argsort(self.col, stable=True)
         return at.perm if at.perm is not None else torch.argsort(self.col, stable=True)
+
+    def transpose_positions(self) -> Tensor | None:
+        """`transpose_perm` made once and cached on this object (int32 where the edges fit), for
+        kernels that walk the transpose every step and need each edge's CSR position (the
+        fused attention's in-kernel dropout): None when the orders agree."""
+        if self._transpose_positions is None:
+            with once_per_graph():  # cached on this object: later steps reuse it
+                pos = self.transpose_perm()
+                if pos is not None:
+                    pos = pos.to(_index_dtype(pos.numel()))
+                self._transpose_positions = (pos,)
+            ctl = self._ctl_ref() if self._ctl_ref is not None else None
+            if ctl is not None and pos is not None:
+                ctl.keep_lossless(pos, "index")
+        return self._transpose_positions[0]
 
     def to_torch_csr(self, values: Tensor | None = None, dtype: torch.dtype | None = None):
         """A `torch.sparse_csr_tensor` view for `torch.sparse.mm` (indices converted to one

@@ -56,8 +56,18 @@ adjacency, but its backward is nonlinear in them: quantizing them biases its gra
 them more bits). Both backwards are differentiable once: a ``create_graph=True`` backward
 raises at once, naming the settings that support it (`differentiable_once`).
 
-Everything here is plain PyTorch (CPU and CUDA). There is no Triton kernel for the edge stage
-yet; the chunked path is the reference and the only implementation.
+**Two implementations of GAT's edge stage.** `GatAttentionFunction` is plain PyTorch, edge
+chunk by edge chunk: the CPU path and the reference. `GatFusedFunction` runs the fused Triton
+kernels of `gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online
+softmax; backward one pass over the rows and one over the transpose's rows, no atomics, no
+edge-level tensor at all) and saves the softmax's per-(node, head) max and sum, kept lossless,
+instead of recomputing them. The patched `GATConv` takes the kernels on CUDA tensors
+(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stage elsewhere. The kernels draw
+attention dropout themselves (Philox, from a seed tensor drawn on the device's generator, so
+no host sync), which cannot equal stock's bits: in lossless mode (``bits=None``) a layer with
+attention dropout in training keeps the chunked stage and stock's draw; compressed modes use
+the kernels' draw. Its gradient is as unbiased as the chunked stage's (backward is linear in
+``x'``; tests/sparse/test_sparse_gat.py runs the statistic on CUDA).
 
 Under autocast the Functions behave like PyG's edge stage, which holds no op that autocast
 lowers: the projections arrive in bf16/fp16 from autocast's ``Linear``, the logits and the
@@ -74,6 +84,7 @@ from torch.nn.parameter import is_lazy
 from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
+from gact_graph.kernels import force_triton, triton_available
 from gact_graph.lean import is_lean
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import add_into, autocast_off
@@ -82,10 +93,16 @@ from gact_graph.sparse.patching import install_forward, message_passing_reason, 
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "EDGE_KERNEL",
     "GatAttentionFunction",
+    "GatFusedFunction",
+    "GatV2FusedFunction",
     "GatV2AttentionFunction",
     "gat_attention",
+    "gat_attention_fused",
+    "fused_kernel_applies",
     "gatv2_attention",
+    "gatv2_attention_fused",
     "gat_attention_reference",
     "gatv2_attention_reference",
     "csr_destinations",
@@ -556,6 +573,178 @@ def _attend_reference(logit, x_src, col, dst, num_dst, dropout, perm) -> Tensor:
     return out.index_add(0, dst, msg)
 
 
+# ---------------------------------------------------------------------------- fused kernels
+#: Which edge stage the patched `GATConv` / `GATv2Conv` run: ``"auto"``, the fused Triton kernels
+#: (`gact_graph.kernels.gat_edge`) on CUDA tensors where they apply, else the chunked PyTorch
+#: stage; ``"triton"``, the kernels wherever they apply, CPU tensors included (which works only
+#: under ``TRITON_INTERPRET=1``: the tests); ``"chunked"``, never the kernels.
+#: ``GACT_GRAPH_FORCE_TRITON=1`` acts as ``"triton"`` (`gact_graph.kernels.force_triton`).
+EDGE_KERNEL = "auto"
+_EDGE_KERNELS = ("auto", "triton", "chunked")
+
+
+def fused_kernel_applies(x: Tensor, logits: Tensor, dropout: float, lossless: bool) -> bool:
+    """Whether the fused kernels run an edge stage of features ``x`` and node logits ``logits``
+    under `EDGE_KERNEL`: Triton installed, a CUDA tensor (or the kernels forced), fp32 / bf16 /
+    fp16 inputs (float64 stays exact on the chunked stage), and no attention dropout in
+    lossless mode, whose draw stays stock's (the kernels draw their own; see the module
+    docstring)."""
+    if EDGE_KERNEL not in _EDGE_KERNELS:
+        raise ValueError(f"EDGE_KERNEL must be one of {_EDGE_KERNELS}, got {EDGE_KERNEL!r}")
+    if EDGE_KERNEL == "chunked" or not triton_available():
+        return False
+    forced = EDGE_KERNEL == "triton" or force_triton()
+    if x.device.type != "cuda" and not forced:
+        return False
+    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    if x.dtype not in kernel_dtypes or logits.dtype not in kernel_dtypes:
+        return False
+    return not (dropout > 0 and lossless)
+
+
+class GatFusedFunction(torch.autograd.Function):
+    """`GatAttentionFunction`'s edge stage as the fused Triton kernels of
+    `gact_graph.kernels.gat_edge`: one pass over the CSR rows forward, one over the rows and
+    one over the transpose's rows backward, no edge-level tensor anywhere.
+
+    ``forward(x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
+    dropout, keep_lossless)``: as `GatAttentionFunction`, plus the transpose (``t_rowptr``,
+    ``t_col``; ``t_pos``, each transposed edge's CSR position, needed with dropout only and
+    None when the orders agree) and ``keep_lossless``, called on the softmax statistics before
+    they are saved (the controller must not quantize them), or None. Attention dropout is the
+    kernels' own Philox draw from a seed drawn here on the device's default generator (an
+    int64 tensor: no host sync); backward regenerates it. Saves ``x_src``, ``a_src``,
+    ``a_dst``, the CSR and its transpose, the statistics (2 x N_dst x H fp32) and the seed.
+    """
+
+    @staticmethod
+    def forward(ctx, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
+                dropout, keep_lossless):  # fmt: skip
+        from gact_graph.kernels import gat_edge
+
+        _check_common(x_src, rowptr, col, dropout, None)
+        p, slope = float(dropout), float(negative_slope)
+        seed = gat_edge.draw_seed(x_src.device) if p > 0 else None
+        out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
+        out, m, s = gat_edge.gat_edge_forward(
+            x_src, a_src, a_dst, rowptr, col, slope, p, seed, out_dtype=out_dtype
+        )
+        if keep_lossless is not None:
+            keep_lossless(m)
+            keep_lossless(s)
+        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+                              seed)  # fmt: skip
+        ctx.negative_slope, ctx.dropout = slope, p
+        return out
+
+    @staticmethod
+    @differentiable_once("the fused graph attention (sparse=True)")
+    def backward(ctx, grad_out):
+        from gact_graph.kernels import gat_edge
+
+        x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        grad_x, grad_src, grad_dst = gat_edge.gat_edge_backward(
+            grad_out, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+            ctx.negative_slope, ctx.dropout, seed, needs=needs,
+        )  # fmt: skip
+        return grad_x, grad_src, grad_dst, None, None, None, None, None, None, None, None
+
+
+def gat_attention_fused(
+    x_src: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    transpose: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    keep_lossless=None,
+) -> Tensor:
+    """`GatFusedFunction.apply` with keyword defaults; ``transpose`` = ``(t_rowptr, t_col,
+    t_pos)`` (made here, per call, when None: callers with a cached adjacency pass its own)."""
+    if transpose is None:
+        from gact_graph.kernels import gat_edge
+
+        transpose = gat_edge.csr_transpose(rowptr, col, x_src.shape[0])
+    t_rowptr, t_col, t_pos = transpose
+    return GatFusedFunction.apply(
+        x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
+        keep_lossless,
+    )  # fmt: skip
+
+
+class GatV2FusedFunction(torch.autograd.Function):
+    """`GatV2AttentionFunction`'s edge stage on the fused Triton kernels (`GatFusedFunction`'s
+    counterpart): ``forward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos,
+    negative_slope, dropout, keep_lossless)``. Saves ``x_l``, ``x_r``, ``att``, the CSR and
+    its transpose, the softmax statistics and the dropout seed; no E x H tensor (the chunked
+    stage keeps its E x H logits)."""
+
+    @staticmethod
+    def forward(ctx, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
+                dropout, keep_lossless):  # fmt: skip
+        from gact_graph.kernels import gat_edge
+
+        _check_common(x_l, rowptr, col, dropout, None)
+        p, slope = float(dropout), float(negative_slope)
+        seed = gat_edge.draw_seed(x_l.device) if p > 0 else None
+        out_dtype = torch.promote_types(x_l.dtype, att.dtype)
+        out, m, s = gat_edge.gatv2_edge_forward(
+            x_l, x_r, att, rowptr, col, slope, p, seed, out_dtype=out_dtype
+        )
+        if keep_lossless is not None:
+            keep_lossless(m)
+            keep_lossless(s)
+        ctx.save_for_backward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed)
+        ctx.negative_slope, ctx.dropout = slope, p
+        return out
+
+    @staticmethod
+    @differentiable_once("the fused graph attention (sparse=True)")
+    def backward(ctx, grad_out):
+        from gact_graph.kernels import gat_edge
+
+        x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        grads = gat_edge.gatv2_edge_backward(
+            grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+            ctx.negative_slope, ctx.dropout, seed, needs=tuple(ctx.needs_input_grad[:3]),
+        )  # fmt: skip
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def gatv2_attention_fused(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    transpose: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    keep_lossless=None,
+) -> Tensor:
+    """`GatV2FusedFunction.apply` with keyword defaults (``transpose`` as in
+    `gat_attention_fused`)."""
+    if transpose is None:
+        from gact_graph.kernels import gat_edge
+
+        transpose = gat_edge.csr_transpose(rowptr, col, x_l.shape[0])
+    t_rowptr, t_col, t_pos = transpose
+    return GatV2FusedFunction.apply(
+        x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
+        keep_lossless,
+    )  # fmt: skip
+
+
+def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(t_rowptr, t_col, t_pos)`` of a cached adjacency, all cached on it (built on a graph's
+    first step; ``t_pos`` only when dropout needs the CSR positions)."""
+    at = adj.transpose()
+    return at.rowptr, at.col, adj.transpose_positions() if dropout > 0 else None
+
+
 # ---------------------------------------------------------------------------- GATv2
 def _gatv2_logits(
     x_l: Tensor,
@@ -885,10 +1074,17 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
 
     p = float(module.dropout) if module.training else 0.0
     adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops, module.dropout)
-    out = gat_attention(
-        x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
-        chunk_bytes=_chunk_bytes(ctl),
-    )  # fmt: skip
+    if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.bits is None):
+        keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
+        out = gat_attention_fused(
+            x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p,
+            transpose=_adjacency_transpose(adj, p), keep_lossless=keep,
+        )  # fmt: skip
+    else:
+        out = gat_attention(
+            x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
+            chunk_bytes=_chunk_bytes(ctl),
+        )  # fmt: skip
     # The projection is saved (compressed) by now: its fp32 copy goes before the sums below.
     # (Making the residual's projection only now, too, as stock does not, holds one tensor
     # less in forward, but it runs before the edge stage in backward, and on an H200 the
@@ -923,10 +1119,18 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
 
     adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
     p = float(module.dropout) if module.training else 0.0
-    out = gatv2_attention(
-        x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
-        chunk_bytes=_chunk_bytes(ctl),
-    )  # fmt: skip
+    lossless = ctl.config.bits is None
+    if x_r.dtype == x_l.dtype and fused_kernel_applies(x_l, module.att, p, lossless):
+        keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
+        out = gatv2_attention_fused(
+            x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
+            transpose=_adjacency_transpose(adj, p), keep_lossless=keep,
+        )  # fmt: skip
+    else:
+        out = gatv2_attention(
+            x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p, adj.perm,
+            chunk_bytes=_chunk_bytes(ctl),
+        )  # fmt: skip
     del x_l, x_r  # saved by now (see GATConv's)
     return _finish(module, out, res)
 

@@ -477,6 +477,32 @@ def test_dropout_is_unbiased():
     assert ((mean - expected).abs().mean() / expected.abs().mean()).item() < 0.03
 
 
+def test_fused_kernel_routing(monkeypatch):
+    """Which edge stage runs (`fused_kernel_applies`): the Triton kernels on CUDA tensors, or
+    anywhere when forced; never for float64 (exact on the chunked stage) nor for attention
+    dropout in lossless mode (stock's draw)."""
+    from gact_graph.kernels import triton_available
+
+    x = torch.randn(4, 2, 3)
+    logits = torch.randn(4, 2)
+    monkeypatch.delenv("GACT_GRAPH_FORCE_TRITON", raising=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "auto")
+    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)  # a CPU tensor
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    forced = triton_available()
+    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=False) == forced
+    assert sgat.fused_kernel_applies(x.half(), logits, 0.5, lossless=False) == forced
+    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=True) == forced
+    assert not sgat.fused_kernel_applies(x, logits, 0.5, lossless=True)
+    assert not sgat.fused_kernel_applies(x.double(), logits, 0.0, lossless=False)
+    assert not sgat.fused_kernel_applies(x, logits.double(), 0.0, lossless=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="EDGE_KERNEL"):
+        sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
+
+
 # ---------------------------------------------------------------------------- memory
 
 
@@ -710,15 +736,18 @@ def test_quantized_4bit_single_layer(conv_cls):
         assert mean < 0.45 * one, (one, mean)
 
 
-def test_quantized_gat_gradient_is_unbiased_per_parameter():
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_gat_gradient_is_unbiased_per_parameter(device):
     """Every parameter's 2-bit gradient averages to the exact one over rounding seeds: the
     statistic R of tests/benchmarks/test_scale_deep.py per parameter tensor (about 1 when
     unbiased; measured 0.3-1.3 here). When the node logits came from the quantized projection
-    itself, att_src's R was 50-150 on graphs like this one (see gact_graph/sparse/gat.py)."""
+    itself, att_src's R was 50-150 on graphs like this one (see gact_graph/sparse/gat.py).
+    On CUDA the edge stage runs on the fused Triton kernels (`gact_graph.kernels.gat_edge`)."""
     torch.manual_seed(0)
     n = 4000
     ei, x, y = torch.randint(0, n, (2, 2 * n)), torch.randn(n, 16), torch.randint(0, 4, (n,))
-    model = _FirstColumns(GATConv(16, 2, heads=4), 4)
+    ei, x, y = ei.to(device), x.to(device), y.to(device)
+    model = _FirstColumns(GATConv(16, 2, heads=4), 4).to(device)
     ref, got, _ = _quantized_grads(model, x, ei, y, 8, bits=2, adaptive=False, min_numel=0)
     names, sizes = zip(*[(name, p.numel()) for name, p in model.named_parameters()])
     ref = dict(zip(names, ref.split(sizes)))

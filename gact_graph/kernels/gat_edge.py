@@ -1,0 +1,980 @@
+"""GAT's and GATv2's edge stages as fused Triton kernels over a destination-sorted CSR, and
+their references.
+
+The edge stage of a GAT layer, per destination ``d``, head ``h`` and channel ``c``::
+
+    pre[e, h]   = a_src[src_e, h] + a_dst[d, h]                     (e an edge into d)
+    alpha[e, h] = softmax over the edges into d of leaky_relu(pre[e, h])
+    out[d, h, c] = sum_e alpha[e, h] * r[e, h] * x[src_e, h, c]
+
+with ``r`` the attention-dropout multiplier (``keep / (1 - p)``, or 1 without dropout). The
+softmax is PyG's: ``exp(l - max) / (sum exp(l - max) + 1e-16)``.
+
+**Forward** (`_gat_edge_fwd_kernel`): one program per block of ``ROWS`` destination rows and
+one head; each row's edges are read ``BLOCK_E`` at a time with an online max and sum (the
+FlashAttention pattern on a sparse row), so every edge is read once and nothing edge-level is
+written. It writes ``out`` and the per-(row, head) statistics ``m`` (the max) and ``s`` (the
+sum plus 1e-16), from which backward recomputes every coefficient as ``exp(l - m) / s``.
+
+**Attention dropout** is drawn in the kernels with Triton's Philox (`tl.rand`) from a seed
+(an int64 one-element tensor, read in the kernel: no host sync) and the counter ``k * H + h``
+of CSR edge ``k`` and head ``h``. Backward regenerates it bit for bit; no mask is stored.
+`gat_edge_dropout_keep` materializes the same mask (tests and debugging).
+
+**Backward**, given ``dO``: with ``g[e] = r[e] * <dO[d], x[src_e]>`` (per head), the gradient of
+the coefficients, the softmax's backward is ``dl[e] = alpha[e] * (g[e] - D[d])`` with
+``D[d] = sum_e alpha[e] * g[e]``, which equals ``<dO[d], out[d]>`` (``out`` already holds the
+dropout multiplier, the softmax's Jacobian acts on the undropped alpha), and the logit's
+gradient is ``dpre = dl * leaky_relu'(pre)``. Two kernels, neither with atomics:
+
+- `_gat_edge_bwd_dst_kernel` walks the CSR rows: ``D[d]`` and ``grad a_dst[d] = sum_e dpre``
+  (from the three sums ``sum alpha g``, ``sum alpha g slope``, ``sum alpha slope``, one pass;
+  ``D`` is computed from the edges rather than from a saved ``out``, which the library would
+  otherwise have to keep: N x H x C more saved per layer);
+- `_gat_edge_bwd_src_kernel` walks the transpose's rows (for each source, its outgoing edges
+  with their destinations and CSR positions): ``grad x[s] = sum_e alpha r dO[d]`` and
+  ``grad a_src[s] = sum_e dpre``, recomputing alpha, ``r`` and ``g`` per edge.
+
+**GATv2** (`_gatv2_edge_*`): the logits are ``<att[h], leaky_relu(x_l[src] + x_r[d])>``; the
+same structure, with ``x_l`` both the logits' input and the message (one gather per edge
+forward). Backward's row pass makes ``D``, ``grad x_r[d] = att * sum_e dl leaky_relu'(z)`` and
+``grad att = sum_e dl leaky_relu(z)`` from running sums in one pass (``dl = alpha (g - D)``
+expands into sums weighted by ``alpha g`` and by ``alpha``); it runs a fixed number of
+programs per head, each over a stride of rows, so that ``grad att`` is summed per program into
+a small P x H x C buffer instead of with atomics. The transpose pass makes ``grad x_l``.
+
+No E x H x C and no E x H tensor exists in either direction. Everything accumulates in fp32;
+offsets into N x H x C tensors are int64.
+
+**Blocking** (edges per block, rows per program, warps) is chosen lazily per kernel, head
+count, width, dtype and a coarse degree bucket (the mean degree ``E / N`` rounded to a power of
+two, from the shapes alone), timed once on CUDA and cached; never keyed on exact node or edge
+counts, so mini-batches do not re-tune. Under Triton's CPU interpreter, and with
+``GACT_GRAPH_GAT_TUNE=0``, the first candidate is used untimed.
+
+`gat_edge_reference` and `gatv2_edge_reference` are the stock-autograd oracles (they
+materialize E x H x C; tests only), taking the dropout keep-mask explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional; the reference below never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+__all__ = [
+    "KERNEL_DTYPES",
+    "csr_transpose",
+    "degree_bucket",
+    "draw_seed",
+    "gat_edge_backward",
+    "gat_edge_dropout_keep",
+    "gat_edge_forward",
+    "gat_edge_reference",
+    "gatv2_edge_backward",
+    "gatv2_edge_forward",
+    "gatv2_edge_reference",
+]
+
+#: Feature dtypes the kernels take (they accumulate in fp32; float64 stays on the PyTorch path).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: PyG's softmax adds this to the sum of exponentials.
+SOFTMAX_EPS = 1e-16
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the fused GAT edge kernels need Triton: pip install triton")
+
+
+# ---------------------------------------------------------------------------- kernels
+if triton is not None:
+
+    @triton.jit
+    def _dropout_multiplier(seed, k, h, H, p, drop_scale):
+        """``keep / (1 - p)`` of CSR edges ``k`` (int64) at head ``h``: Philox at counter
+        ``k * H + h``."""
+        u = tl.rand(seed, k * H + h)
+        return tl.where(u >= p, drop_scale, 0.0)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gat_edge_fwd_kernel(
+        x_ptr, a_src_ptr, a_dst_ptr, rowptr_ptr, col_ptr, seed_ptr,
+        out_ptr, m_ptr, s_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        HAS_DST: tl.constexpr, DROPOUT: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r
+            live = row < num_rows
+            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            if HAS_DST:
+                ad = tl.load(a_dst_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
+            else:
+                ad = 0.0
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            acc = tl.zeros((BLOCK_C,), tl.float32)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                pre = tl.load(a_src_ptr + src * H + h, mask=emask, other=0.0).to(tl.float32)
+                pre = pre + ad
+                lrelu = tl.where(pre > 0, pre, pre * slope)
+                lrelu = tl.where(emask, lrelu, float("-inf"))
+                m_new = tl.maximum(m, tl.max(lrelu, 0))
+                rescale = tl.exp(m - m_new)
+                ex = tl.exp(lrelu - m_new)
+                s = s * rescale + tl.sum(ex, 0)
+                w = ex
+                if DROPOUT:
+                    w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                xv = tl.load(
+                    x_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                acc = acc * rescale + tl.sum(w[:, None] * xv, 0)
+                m = m_new
+            s = s + 1e-16
+            tl.store(
+                out_ptr + row * HC + h * C + offs_c,
+                (acc / s).to(out_ptr.dtype.element_ty), mask=row_c,
+            )  # fmt: skip
+            tl.store(m_ptr + row * H + h, m, mask=live)
+            tl.store(s_ptr + row * H + h, s, mask=live)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gat_edge_bwd_dst_kernel(
+        x_ptr, a_src_ptr, a_dst_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr, go_ptr,
+        d_ptr, ga_dst_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        HAS_DST: tl.constexpr, NEED_DST: tl.constexpr, DROPOUT: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r
+            live = row < num_rows
+            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            if HAS_DST:
+                ad = tl.load(a_dst_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
+            else:
+                ad = 0.0
+            m = tl.load(m_ptr + row * H + h, mask=live, other=0.0)
+            s = tl.load(s_ptr + row * H + h, mask=live, other=1.0)
+            go = tl.load(go_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            go = go.to(tl.float32)
+            sum_ag = tl.zeros((), tl.float32)
+            sum_ag_slope = tl.zeros((), tl.float32)
+            sum_a_slope = tl.zeros((), tl.float32)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                pre = tl.load(a_src_ptr + src * H + h, mask=emask, other=0.0).to(tl.float32)
+                pre = pre + ad
+                dslope = tl.where(pre > 0, 1.0, slope)
+                alpha = tl.exp(pre * dslope - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                xv = tl.load(
+                    x_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                g = tl.sum(xv * go[None, :], 1)
+                if DROPOUT:
+                    g = g * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                ag = alpha * g
+                sum_ag += tl.sum(ag, 0)
+                sum_ag_slope += tl.sum(ag * dslope, 0)
+                sum_a_slope += tl.sum(alpha * dslope, 0)
+            tl.store(d_ptr + row * H + h, sum_ag, mask=live)
+            if NEED_DST:
+                grad = sum_ag_slope - sum_ag * sum_a_slope
+                tl.store(
+                    ga_dst_ptr + row * H + h, grad.to(ga_dst_ptr.dtype.element_ty), mask=live
+                )
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gat_edge_bwd_src_kernel(
+        x_ptr, a_src_ptr, a_dst_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
+        m_ptr, s_ptr, go_ptr, d_ptr,
+        gx_ptr, ga_src_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        HAS_DST: tl.constexpr, HAS_POS: tl.constexpr, NEED_X: tl.constexpr,
+        NEED_SRC: tl.constexpr, DROPOUT: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r  # a source node
+            live = row < num_rows
+            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(t_rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(t_rowptr_ptr + row + 1, mask=live, other=0)
+            a_s = tl.load(a_src_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            xs = xs.to(tl.float32)
+            gx = tl.zeros((BLOCK_C,), tl.float32)
+            ga = tl.zeros((), tl.float32)
+            for j0 in range(start, end, BLOCK_E):
+                j = j0 + offs_e
+                emask = j < end
+                dst = tl.load(t_col_ptr + j, mask=emask, other=0).to(tl.int64)
+                pre = a_s
+                if HAS_DST:
+                    pre = pre + tl.load(a_dst_ptr + dst * H + h, mask=emask, other=0.0).to(
+                        tl.float32
+                    )
+                dslope = tl.where(pre > 0, 1.0, slope)
+                m = tl.load(m_ptr + dst * H + h, mask=emask, other=0.0)
+                s = tl.load(s_ptr + dst * H + h, mask=emask, other=1.0)
+                alpha = tl.exp(pre * dslope - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                go = tl.load(
+                    go_ptr + dst[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                beta = alpha
+                if DROPOUT:
+                    if HAS_POS:
+                        k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
+                    else:
+                        k = j
+                    beta = alpha * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                if NEED_X:
+                    gx += tl.sum(beta[:, None] * go, 0)
+                if NEED_SRC:
+                    g = tl.sum(go * xs[None, :], 1)
+                    dd = tl.load(d_ptr + dst * H + h, mask=emask, other=0.0)
+                    # alpha * (r * <dO, x> - D), with beta = alpha * r
+                    ga += tl.sum((beta * g - alpha * dd) * dslope, 0)
+            if NEED_X:
+                tl.store(
+                    gx_ptr + row * HC + h * C + offs_c,
+                    gx.to(gx_ptr.dtype.element_ty), mask=row_c,
+                )  # fmt: skip
+            if NEED_SRC:
+                tl.store(ga_src_ptr + row * H + h, ga.to(ga_src_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gat_edge_keep_kernel(seed_ptr, keep_ptr, num_edges, H, p, drop_scale,
+                              BLOCK: tl.constexpr):  # fmt: skip
+        k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        h = tl.program_id(1)
+        seed = tl.load(seed_ptr)
+        mult = _dropout_multiplier(seed, k, h, H, p, drop_scale)
+        tl.store(keep_ptr + k * H + h, (mult != 0).to(tl.int8), mask=k < num_edges)
+
+
+
+    # ------------------------------------------------------------------------ GATv2
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_fwd_kernel(
+        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr,
+        out_ptr, m_ptr, s_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        DROPOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r
+            live = row < num_rows
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            xr = xr.to(tl.float32)
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            acc = tl.zeros((BLOCK_C,), tl.float32)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                xl = tl.load(
+                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                z = xl + xr[None, :]
+                z = tl.where(z > 0, z, z * slope)
+                logit = tl.sum(z * att[None, :], 1)
+                logit = tl.where(emask, logit, float("-inf"))
+                m_new = tl.maximum(m, tl.max(logit, 0))
+                rescale = tl.exp(m - m_new)
+                ex = tl.exp(logit - m_new)
+                s = s * rescale + tl.sum(ex, 0)
+                w = ex
+                if DROPOUT:
+                    w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                acc = acc * rescale + tl.sum(w[:, None] * xl, 0)
+                m = m_new
+            s = s + 1e-16
+            tl.store(
+                out_ptr + row * HC + h * C + offs_c,
+                (acc / s).to(out_ptr.dtype.element_ty), mask=row_c,
+            )  # fmt: skip
+            tl.store(m_ptr + row * H + h, m, mask=live)
+            tl.store(s_ptr + row * H + h, s, mask=live)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_bwd_dst_kernel(
+        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr, go_ptr,
+        d_ptr, gxr_ptr, gatt_part_ptr,
+        num_rows, num_programs, H, C, slope, p, drop_scale,
+        NEED_R: tl.constexpr, NEED_ATT: tl.constexpr, DROPOUT: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # A fixed number of programs per head, each walking rows pid, pid + P, ...: the
+        # attention vector's gradient is summed per program (P x H x C partials), no atomics.
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        gatt = tl.zeros((BLOCK_C,), tl.float32)
+        for row in range(pid.to(tl.int64), num_rows, num_programs):
+            start = tl.load(rowptr_ptr + row)
+            end = tl.load(rowptr_ptr + row + 1)
+            m = tl.load(m_ptr + row * H + h)
+            s = tl.load(s_ptr + row * H + h)
+            go = tl.load(go_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
+            go = go.to(tl.float32)
+            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
+            xr = xr.to(tl.float32)
+            sum_ag = tl.zeros((), tl.float32)
+            v1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu(z)
+            v2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu(z)
+            w1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu'(z)
+            w2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu'(z)
+            for e0 in range(start, end, BLOCK_E):
+                k = e0 + offs_e
+                emask = k < end
+                src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
+                xl = tl.load(
+                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
+                    mask=emask[:, None] & cmask[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                z = xl + xr[None, :]
+                dz = tl.where(z > 0, 1.0, slope)
+                lz = z * dz
+                logit = tl.sum(lz * att[None, :], 1)
+                alpha = tl.exp(logit - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                g = tl.sum(xl * go[None, :], 1)
+                if DROPOUT:
+                    g = g * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                ag = alpha * g
+                sum_ag += tl.sum(ag, 0)
+                if NEED_ATT:
+                    v1 += tl.sum(ag[:, None] * lz, 0)
+                    v2 += tl.sum(alpha[:, None] * lz, 0)
+                if NEED_R:
+                    w1 += tl.sum(ag[:, None] * dz, 0)
+                    w2 += tl.sum(alpha[:, None] * dz, 0)
+            tl.store(d_ptr + row * H + h, sum_ag)
+            if NEED_ATT:
+                gatt += v1 - sum_ag * v2
+            if NEED_R:
+                gxr = att * (w1 - sum_ag * w2)
+                tl.store(
+                    gxr_ptr + row * HC + h * C + offs_c, gxr.to(gxr_ptr.dtype.element_ty),
+                    mask=cmask,
+                )  # fmt: skip
+        if NEED_ATT:
+            tl.store(gatt_part_ptr + (pid.to(tl.int64) * H + h) * C + offs_c, gatt, mask=cmask)
+
+    @triton.jit(do_not_specialize=["p", "drop_scale"])
+    def _gatv2_edge_bwd_src_kernel(
+        xl_ptr, xr_ptr, att_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
+        m_ptr, s_ptr, go_ptr, d_ptr, gxl_ptr,
+        num_rows, H, C, slope, p, drop_scale,
+        HAS_POS: tl.constexpr, DROPOUT: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        HC = H * C
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        for r in range(ROWS):
+            row = pid.to(tl.int64) * ROWS + r  # a source node
+            live = row < num_rows
+            row_c = cmask & ((offs_c * 0 + row) < num_rows)
+            start = tl.load(t_rowptr_ptr + row, mask=live, other=0)
+            end = tl.load(t_rowptr_ptr + row + 1, mask=live, other=0)
+            xs = tl.load(xl_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
+            xs = xs.to(tl.float32)
+            gx = tl.zeros((BLOCK_C,), tl.float32)
+            for j0 in range(start, end, BLOCK_E):
+                j = j0 + offs_e
+                emask = j < end
+                dst = tl.load(t_col_ptr + j, mask=emask, other=0).to(tl.int64)
+                tile = emask[:, None] & cmask[None, :]
+                xr = tl.load(
+                    xr_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
+                ).to(tl.float32)
+                go = tl.load(
+                    go_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
+                ).to(tl.float32)
+                z = xs[None, :] + xr
+                dz = tl.where(z > 0, 1.0, slope)
+                logit = tl.sum(z * dz * att[None, :], 1)
+                m = tl.load(m_ptr + dst * H + h, mask=emask, other=0.0)
+                s = tl.load(s_ptr + dst * H + h, mask=emask, other=1.0)
+                dd = tl.load(d_ptr + dst * H + h, mask=emask, other=0.0)
+                alpha = tl.exp(logit - m) / s
+                alpha = tl.where(emask, alpha, 0.0)
+                beta = alpha
+                if DROPOUT:
+                    if HAS_POS:
+                        k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
+                    else:
+                        k = j
+                    beta = alpha * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                g = tl.sum(go * xs[None, :], 1)
+                dl = beta * g - alpha * dd  # alpha * (r <dO, x_l> - D)
+                gx += tl.sum(beta[:, None] * go + dl[:, None] * dz * att[None, :], 0)
+            tl.store(
+                gxl_ptr + row * HC + h * C + offs_c, gx.to(gxl_ptr.dtype.element_ty),
+                mask=row_c,
+            )  # fmt: skip
+
+# ---------------------------------------------------------------------------- blocking
+#: (BLOCK_E, ROWS, num_warps) candidates; the first is the untimed default.
+_CANDIDATES = [(16, 1, 4), (32, 1, 4), (16, 4, 4), (64, 1, 4), (32, 2, 8), (128, 1, 8)]
+_TUNED: dict[tuple, tuple[int, int, int]] = {}
+#: ``GACT_GRAPH_GAT_TUNE=0``: never time candidates, take the default blocking (each timed
+#: candidate is one more compilation in a process's first steps).
+TUNE = os.environ.get("GACT_GRAPH_GAT_TUNE", "1") != "0"
+
+
+def degree_bucket(num_edges: int, num_rows: int) -> int:
+    """The mean degree rounded up to a power of two (1..1024): a shape-only tuning key."""
+    mean = num_edges / max(num_rows, 1)
+    return 1 << min(10, max(0, math.ceil(math.log2(max(mean, 1.0)))))
+
+
+def _candidates(bucket: int) -> list[tuple[int, int, int]]:
+    """Blockings worth timing for a mean degree ``bucket``: no block four times wider than
+    the mean row (mostly padding), the default first."""
+    default = (max(16, min(64, triton.next_power_of_2(bucket))), 1, 4)
+    rest = [c for c in _CANDIDATES if c != default and c[0] <= max(16, 4 * bucket)]
+    return [default] + rest
+
+
+def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None, rows=True):
+    """``config`` if given, else the cached or (on CUDA, outside graph capture) timed
+    blocking for ``key``; ``run(config)`` launches the kernel. ``rows=False``: a kernel that
+    ignores rows per program (candidates differing only there are timed once)."""
+    if config is not None:
+        return config
+    hit = _TUNED.get(key)
+    if hit is not None:
+        return hit
+    cands = _candidates(bucket)
+    if not rows:
+        cands = list(dict.fromkeys((c[0], 1, c[2]) for c in cands))
+    if not TUNE or device.type != "cuda" or len(cands) == 1:
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]
+    best, best_t = cands[0], float("inf")
+    for c in cands:
+        try:
+            t = _time_ms(run, c)
+        except triton.runtime.errors.OutOfResources:  # too large for this device: skip it
+            continue
+        if t < best_t:
+            best, best_t = c, t
+    _TUNED[key] = best
+    return best
+
+
+def _time_ms(run, config, reps: int = 3) -> float:
+    """Mean milliseconds of ``run(config)`` after one warm-up call, with CUDA events only: no
+    buffer of its own (`triton.testing.do_bench` flushes the cache with a 256 MiB tensor, which
+    would land in the memory peak of the step that tunes)."""
+    run(config)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run(config)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _dropout_args(p: float, seed: Tensor | None, device: torch.device):
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {p}")
+    dropout = p > 0.0
+    if dropout and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
+        raise ValueError("attention dropout needs a one-element int64 seed tensor")
+    drop_scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+    dummy = seed if dropout else torch.zeros(1, dtype=torch.int64, device=device)
+    return dropout, drop_scale, dummy
+
+
+def _check(x: Tensor, a_src: Tensor, a_dst: Tensor | None, rowptr: Tensor, col: Tensor):
+    if x.dim() != 3:
+        raise ValueError(f"x must be N x H x C, got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"x must be one of {KERNEL_DTYPES}, got {x.dtype}")
+    heads = x.shape[1]
+    if a_src.shape != (x.shape[0], heads):
+        raise ValueError(f"a_src must be {x.shape[0]} x {heads}, got {tuple(a_src.shape)}")
+    if a_dst is not None and a_dst.shape != (rowptr.numel() - 1, heads):
+        raise ValueError(
+            f"a_dst must be {rowptr.numel() - 1} x {heads}, got {tuple(a_dst.shape)}"
+        )
+    if rowptr.dtype != torch.int64 or rowptr.dim() != 1 or col.dim() != 1:
+        raise ValueError("rowptr must be 1-D int64 and col 1-D (destination-sorted CSR)")
+    if col.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"col must be int32 or int64, got {col.dtype}")
+
+
+# ---------------------------------------------------------------------------- launchers
+def gat_edge_forward(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out N_dst x H x C, m N_dst x H, s N_dst x H)``: the edge stage and its softmax
+    statistics (fp32). ``x`` N_src x H x C, ``a_src`` N_src x H, ``a_dst`` N_dst x H or None;
+    ``seed`` (one-element int64 tensor) draws the dropout when ``dropout > 0``; ``out_dtype``
+    defaults to ``x``'s; ``config`` = (edges per block, rows per program, warps) skips tuning."""
+    _require_triton()
+    _check(x, a_src, a_dst, rowptr, col)
+    num_dst = rowptr.numel() - 1
+    _, heads, channels = x.shape
+    x, a_src = x.contiguous(), a_src.contiguous()
+    a_dst = a_dst.contiguous() if a_dst is not None else None
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x.device)
+    out = torch.empty(num_dst, heads, channels, dtype=out_dtype or x.dtype, device=x.device)
+    m = torch.empty(num_dst, heads, dtype=torch.float32, device=x.device)
+    s = torch.empty(num_dst, heads, dtype=torch.float32, device=x.device)
+    if num_dst == 0 or heads * channels == 0:
+        return out.zero_(), m.fill_(float("-inf")), s.fill_(SOFTMAX_EPS)
+    bucket = degree_bucket(col.numel(), num_dst)
+    block_c = triton.next_power_of_2(channels)
+
+    def run(cfg):
+        block_e, rows, warps = cfg
+        _gat_edge_fwd_kernel[(triton.cdiv(num_dst, rows), heads)](
+            x, a_src, a_dst if a_dst is not None else a_src, rowptr, col, seed_t,
+            out, m, s, num_dst, heads, channels, float(negative_slope), float(dropout),
+            drop_scale, HAS_DST=a_dst is not None, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e,
+            BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+
+    key = ("fwd", heads, channels, x.dtype, out.dtype, bucket, a_dst is not None, drop)
+    run(_blocking(key, bucket, run, x.device, config))
+    return out, m, s
+
+
+def gat_edge_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    t_rowptr: Tensor,
+    t_col: Tensor,
+    t_pos: Tensor | None,
+    m: Tensor,
+    s: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(grad x, grad a_src, grad a_dst)`` (each None where ``needs`` says so) of
+    `gat_edge_forward` from its statistics ``m``, ``s``. ``t_rowptr`` (N_src + 1), ``t_col``
+    (destination of each edge) and ``t_pos`` (its CSR position, or None when the transpose
+    lists the edges in CSR order) are the transpose, as `csr_transpose` makes it."""
+    _require_triton()
+    _check(x, a_src, a_dst, rowptr, col)
+    need_x, need_src, need_dst = needs
+    need_dst = need_dst and a_dst is not None
+    num_dst, num_src = rowptr.numel() - 1, x.shape[0]
+    _, heads, channels = x.shape
+    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
+        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
+    if t_pos is not None and t_pos.shape != col.shape:
+        raise ValueError("t_pos must hold one CSR position per edge")
+    x, a_src, grad_out = x.contiguous(), a_src.contiguous(), grad_out.contiguous()
+    a_dst = a_dst.contiguous() if a_dst is not None else None
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x.device)
+    dev = x.device
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_src = torch.empty_like(a_src) if need_src else None
+    grad_dst = torch.empty_like(a_dst) if need_dst else None
+    if heads * channels == 0:
+        return tuple(None if g is None else g.zero_() for g in (grad_x, grad_src, grad_dst))
+    bucket = degree_bucket(col.numel(), max(num_dst, 1))
+    block_c = triton.next_power_of_2(channels)
+    slope, p = float(negative_slope), float(dropout)
+    a_dst_arg = a_dst if a_dst is not None else a_src
+    d = torch.empty(num_dst, heads, dtype=torch.float32, device=dev)
+    if (need_src or need_dst) and num_dst > 0:
+
+        def run_dst(cfg):
+            block_e, rows, warps = cfg
+            _gat_edge_bwd_dst_kernel[(triton.cdiv(num_dst, rows), heads)](
+                x, a_src, a_dst_arg, rowptr, col, seed_t, m, s, grad_out, d,
+                grad_dst if need_dst else d, num_dst, heads, channels, slope, p, drop_scale,
+                HAS_DST=a_dst is not None, NEED_DST=need_dst, DROPOUT=drop, ROWS=rows,
+                BLOCK_E=block_e, BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+
+        key = ("bwd_dst", heads, channels, x.dtype, grad_out.dtype, bucket, need_dst, drop)
+        run_dst(_blocking(key, bucket, run_dst, dev, config))
+    if (need_x or need_src) and num_src > 0:
+
+        def run_src(cfg):
+            block_e, rows, warps = cfg
+            _gat_edge_bwd_src_kernel[(triton.cdiv(num_src, rows), heads)](
+                x, a_src, a_dst_arg, t_rowptr, t_col, t_pos if t_pos is not None else t_col,
+                seed_t, m, s, grad_out, d,
+                grad_x if need_x else x, grad_src if need_src else a_src,
+                num_src, heads, channels, slope, p, drop_scale,
+                HAS_DST=a_dst is not None, HAS_POS=t_pos is not None, NEED_X=need_x,
+                NEED_SRC=need_src, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c,
+                num_warps=warps,
+            )  # fmt: skip
+
+        key = ("bwd_src", heads, channels, x.dtype, grad_out.dtype, bucket, need_x, need_src,
+               drop)  # fmt: skip
+        run_src(_blocking(key, bucket, run_src, dev, config))
+    return grad_x, grad_src, grad_dst
+
+
+def _check_v2(x_l: Tensor, x_r: Tensor, att: Tensor, rowptr: Tensor, col: Tensor) -> None:
+    if x_l.dim() != 3 or x_r.dim() != 3 or x_l.shape[1:] != x_r.shape[1:]:
+        raise ValueError(
+            f"x_l and x_r must be N x H x C alike, got {tuple(x_l.shape)}, {tuple(x_r.shape)}"
+        )
+    if x_l.dtype not in KERNEL_DTYPES or x_r.dtype != x_l.dtype:
+        raise ValueError(f"x_l and x_r must share one of {KERNEL_DTYPES}")
+    if att.numel() != x_l.shape[1] * x_l.shape[2]:
+        raise ValueError(f"att must hold H x C = {x_l.shape[1] * x_l.shape[2]} values")
+    if x_r.shape[0] != rowptr.numel() - 1:
+        raise ValueError("x_r must have one row per destination (rowptr's length - 1)")
+    if rowptr.dtype != torch.int64 or rowptr.dim() != 1 or col.dim() != 1:
+        raise ValueError("rowptr must be 1-D int64 and col 1-D (destination-sorted CSR)")
+    if col.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"col must be int32 or int64, got {col.dtype}")
+
+
+def _persistent_programs(device: torch.device, num_rows: int) -> int:
+    """Programs per head of `_gatv2_edge_bwd_dst_kernel`: a few per multiprocessor (from the
+    device alone, so the grid never depends on the graph beyond tiny ones)."""
+    if device.type == "cuda":
+        per_device = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        per_device = 4
+    return max(1, min(per_device, num_rows))
+
+
+def gatv2_edge_forward(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GATv2's edge stage: ``(out, m, s)`` as `gat_edge_forward`, with the logits
+    ``<att[h], leaky_relu(x_l[src, h] + x_r[dst, h])>``; ``x_l`` N_src x H x C (also the
+    message), ``x_r`` N_dst x H x C, ``att`` H x C values (PyG's 1 x H x C)."""
+    _require_triton()
+    _check_v2(x_l, x_r, att, rowptr, col)
+    num_dst = rowptr.numel() - 1
+    _, heads, channels = x_l.shape
+    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
+    out = torch.empty(num_dst, heads, channels, dtype=out_dtype or x_l.dtype, device=x_l.device)
+    m = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
+    s = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
+    if num_dst == 0 or heads * channels == 0:
+        return out.zero_(), m.fill_(float("-inf")), s.fill_(SOFTMAX_EPS)
+    bucket = degree_bucket(col.numel(), num_dst)
+    block_c = triton.next_power_of_2(channels)
+
+    def run(cfg):
+        block_e, rows, warps = cfg
+        _gatv2_edge_fwd_kernel[(triton.cdiv(num_dst, rows), heads)](
+            x_l, x_r, att, rowptr, col, seed_t, out, m, s, num_dst, heads, channels,
+            float(negative_slope), float(dropout), drop_scale, DROPOUT=drop, ROWS=rows,
+            BLOCK_E=block_e, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+
+    key = ("v2_fwd", heads, channels, x_l.dtype, out.dtype, bucket, drop)
+    run(_blocking(key, bucket, run, x_l.device, config))
+    return out, m, s
+
+
+def gatv2_edge_backward(
+    grad_out: Tensor,
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    t_rowptr: Tensor,
+    t_col: Tensor,
+    t_pos: Tensor | None,
+    m: Tensor,
+    s: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    seed: Tensor | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(grad x_l, grad x_r, grad att)`` of `gatv2_edge_forward` (None where ``needs`` says
+    so), from its statistics; the transpose as in `gat_edge_backward`. With ``g = r <dO[d],
+    x_l[src]>``, ``D[d] = sum alpha g`` and ``dl = alpha (g - D)``: grad att ``= sum_e dl
+    leaky_relu(z_e)``, grad x_r[d] ``= att * sum_e dl leaky_relu'(z_e)`` (a pass over the CSR
+    rows, the attention vector's sum per program, then summed), grad x_l[s] ``= sum_e alpha r
+    dO[d] + att * dl leaky_relu'(z_e)`` (a pass over the transpose's rows)."""
+    _require_triton()
+    _check_v2(x_l, x_r, att, rowptr, col)
+    need_l, need_r, need_att = needs
+    num_dst, num_src = rowptr.numel() - 1, x_l.shape[0]
+    _, heads, channels = x_l.shape
+    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
+        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
+    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
+    grad_out = grad_out.contiguous()
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
+    dev = x_l.device
+    grad_l = torch.empty_like(x_l) if need_l else None
+    grad_r = torch.empty_like(x_r) if need_r else None
+    grad_att = None
+    if heads * channels == 0 or not (need_l or need_r or need_att):
+        if need_att:
+            grad_att = torch.zeros_like(att)
+        return tuple(None if g is None else g.zero_() for g in (grad_l, grad_r)) + (grad_att,)
+    bucket = degree_bucket(col.numel(), max(num_dst, 1))
+    block_c = triton.next_power_of_2(channels)
+    slope, p = float(negative_slope), float(dropout)
+    d = torch.zeros(num_dst, heads, dtype=torch.float32, device=dev)
+    programs = _persistent_programs(dev, num_dst)
+    part = torch.zeros(programs, heads, channels, dtype=torch.float32, device=dev)
+    if num_dst > 0:
+
+        def run_dst(cfg):
+            block_e, _, warps = cfg
+            _gatv2_edge_bwd_dst_kernel[(programs, heads)](
+                x_l, x_r, att, rowptr, col, seed_t, m, s, grad_out, d,
+                grad_r if need_r else x_r, part, num_dst, programs, heads, channels, slope, p,
+                drop_scale, NEED_R=need_r, NEED_ATT=need_att, DROPOUT=drop, BLOCK_E=block_e,
+                BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+
+        key = ("v2_bwd_dst", heads, channels, x_l.dtype, grad_out.dtype, bucket, need_r,
+               need_att, drop)  # fmt: skip
+        run_dst(_blocking(key, bucket, run_dst, dev, config, rows=False))
+    elif need_r:
+        grad_r.zero_()
+    if need_att:
+        grad_att = part.sum(0).reshape(att.shape).to(att.dtype)
+    if need_l and num_src > 0:
+
+        def run_src(cfg):
+            block_e, rows, warps = cfg
+            _gatv2_edge_bwd_src_kernel[(triton.cdiv(num_src, rows), heads)](
+                x_l, x_r, att, t_rowptr, t_col, t_pos if t_pos is not None else t_col, seed_t,
+                m, s, grad_out, d, grad_l, num_src, heads, channels, slope, p, drop_scale,
+                HAS_POS=t_pos is not None, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e,
+                BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+
+        key = ("v2_bwd_src", heads, channels, x_l.dtype, grad_out.dtype, bucket, drop)
+        run_src(_blocking(key, bucket, run_src, dev, config))
+    return grad_l, grad_r, grad_att
+
+
+def gat_edge_dropout_keep(seed: Tensor, num_edges: int, heads: int, dropout: float) -> Tensor:
+    """The keep-mask (bool, E x H, CSR order) the kernels draw for ``seed`` and ``dropout``:
+    materialized for tests and debugging only (the kernels never store it)."""
+    _require_triton()
+    drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, seed.device)
+    keep = torch.ones(num_edges, heads, dtype=torch.int8, device=seed.device)
+    if drop and num_edges * heads > 0:
+        block = 128
+        _gat_edge_keep_kernel[(triton.cdiv(num_edges, block), heads)](
+            seed_t, keep, num_edges, heads, float(dropout), drop_scale, BLOCK=block
+        )
+    return keep.bool()
+
+
+def draw_seed(device: torch.device | str) -> Tensor:
+    """A fresh dropout seed (one-element int64 tensor on ``device``) from the device's default
+    generator: a device-side draw, so no host sync; reproducible under ``torch.manual_seed``."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def csr_transpose(rowptr: Tensor, col: Tensor, num_src: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(t_rowptr, t_col, t_pos)`` of a destination-sorted CSR: the source-sorted transpose
+    (``t_col`` the destination of each edge, in ``col``'s dtype) and each of its edges'
+    position in the CSR (stable: a source's edges in CSR order)."""
+    num_dst = rowptr.numel() - 1
+    t_pos = torch.argsort(col, stable=True)
+    counts = torch.bincount(col.long(), minlength=num_src)
+    t_rowptr = torch.zeros(num_src + 1, dtype=torch.int64, device=col.device)
+    torch.cumsum(counts, 0, out=t_rowptr[1:])
+    dst = torch.repeat_interleave(
+        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
+        output_size=col.numel(),
+    )  # fmt: skip
+    t_col = dst[t_pos].to(col.dtype)
+    pos_dtype = torch.int32 if col.numel() <= 2**31 - 1 else torch.int64
+    return t_rowptr, t_col, t_pos.to(pos_dtype)
+
+
+# ---------------------------------------------------------------------------- reference
+def gat_edge_reference(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor | None,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """Stock-autograd oracle of the kernels (materializes E x H x C; tests only): PyG's
+    softmax, then ``alpha * keep / (1 - p)`` (``keep``: bool E x H in CSR order, required
+    when ``dropout > 0``), computed in fp32 and returned in ``x``'s dtype promoted with the
+    logits'."""
+    num_dst = rowptr.numel() - 1
+    out_dtype = torch.promote_types(x.dtype, a_src.dtype)
+    dst = torch.repeat_interleave(
+        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
+        output_size=col.numel(),
+    )  # fmt: skip
+    src = col.long()
+    pre = a_src.float()[src]
+    if a_dst is not None:
+        pre = pre + a_dst.float()[dst]
+    logit = torch.nn.functional.leaky_relu(pre, negative_slope)
+    return _attend(logit, x, src, dst, num_dst, dropout, keep).to(out_dtype)
+
+
+def _attend(logit, x, src, dst, num_dst: int, dropout: float, keep) -> Tensor:
+    """The references' softmax (PyG's), dropout by ``keep`` and aggregation, in fp32."""
+    zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
+    idx = dst.unsqueeze(-1).expand_as(logit)
+    m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
+    ex = (logit - m[dst]).exp()
+    alpha = ex / (zeros.index_add(0, dst, ex) + SOFTMAX_EPS)[dst]
+    if dropout > 0:
+        if keep is None:
+            raise ValueError("the reference needs the keep-mask when dropout > 0")
+        alpha = alpha * (keep.to(alpha.dtype) * (0.0 if dropout >= 1 else 1.0 / (1.0 - dropout)))
+    msg = alpha.unsqueeze(-1) * x.float()[src]
+    out = torch.zeros(num_dst, *x.shape[1:], dtype=msg.dtype, device=msg.device)
+    return out.index_add(0, dst, msg)
+
+
+def gatv2_edge_reference(
+    x_l: Tensor,
+    x_r: Tensor,
+    att: Tensor,
+    rowptr: Tensor,
+    col: Tensor,
+    negative_slope: float = 0.2,
+    dropout: float = 0.0,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """Stock-autograd oracle of the GATv2 kernels (materializes E x H x C; tests only):
+    ``logit = <att, leaky_relu(x_l[src] + x_r[dst])>``, then as `gat_edge_reference`."""
+    num_dst = rowptr.numel() - 1
+    out_dtype = torch.promote_types(x_l.dtype, att.dtype)
+    dst = torch.repeat_interleave(
+        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
+        output_size=col.numel(),
+    )  # fmt: skip
+    src = col.long()
+    z = torch.nn.functional.leaky_relu(x_l.float()[src] + x_r.float()[dst], negative_slope)
+    logit = (z * att.float().reshape(1, *x_l.shape[1:])).sum(-1)
+    return _attend(logit, x_l, src, dst, num_dst, dropout, keep).to(out_dtype)
