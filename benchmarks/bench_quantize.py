@@ -1,14 +1,20 @@
 """Throughput of `quantize` / `QTensor.dequantize` against a plain device copy.
 
-On CUDA this measures the Triton kernels, on CPU the PyTorch reference path. For each bit
-width it reports the median time, GB/s counted on the fp32 tensor (bytes read by quantize,
-bytes written by dequantize) and the time relative to ``x.clone()`` of the same tensor measured
-in the same run (1.0 = as fast as a copy).
+On CUDA this measures the Triton kernels, on CPU the PyTorch reference path. For each input
+dtype (fp32 and bf16 by default) and bit width it reports the median time and the bandwidth
+each direction reaches, counted on the bytes it really moves (quantize: reads the input, writes
+codes and metadata; dequantize: the reverse), as a share of the bandwidth of ``x.clone()`` of
+the same tensor measured in the same run (a copy reads and writes it: 100 % = moving bytes as
+fast as a copy does). The time relative to the copy is reported too (``x copy``).
+
+The first call of each bit width tunes the kernels' launch configuration (on CUDA); the warmup
+calls absorb it.
 
 Usage::
 
-    python benchmarks/bench_quantize.py --device cuda               # (169343, 256) fp32
+    python benchmarks/bench_quantize.py --device cuda               # (169343, 256), fp32 + bf16
     python benchmarks/bench_quantize.py --device cpu --threads 1 --json out.json  # (16384, 256)
+    python benchmarks/bench_quantize.py --dry                       # a few seconds on a CPU
 """
 
 from __future__ import annotations
@@ -50,69 +56,78 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     rows = args.numel // args.cols if args.numel else args.rows
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, args.cols, generator=gen).to(device)
-    gbytes = x.numel() * 4 / 1e9
-    t_copy = median_seconds(x.clone, device, args.repeats, args.warmup)
+    base = torch.randn(rows, args.cols, generator=gen)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = platform.processor() or platform.machine()
     result = {
         "device": name,
-        "path": "triton" if _use_triton(x) else "reference",
+        "path": "triton" if _use_triton(base.to(device)) else "reference",
         "shape": [rows, args.cols],
-        "dtype": "float32",
         "group_size": args.group_size,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "repeats": args.repeats,
-        "copy_ms": t_copy * 1e3,
-        "copy_gbps": 2 * gbytes / t_copy,  # a copy reads and writes
+        "dtypes": {},
         "rows": [],
     }
-    for bits in args.bits:
-        q = quantize(x, bits, args.group_size, seed=0)
-        t_q = median_seconds(
-            lambda b=bits: quantize(x, b, args.group_size, seed=0),
-            device,
-            args.repeats,
-            args.warmup,
-        )
-        t_d = median_seconds(q.dequantize, device, args.repeats, args.warmup)
-        result["rows"].append(
-            {
-                "bits": bits,
-                "quantize_ms": t_q * 1e3,
-                "quantize_gbps": gbytes / t_q,
-                "quantize_x_copy": t_q / t_copy,
-                "dequantize_ms": t_d * 1e3,
-                "dequantize_gbps": gbytes / t_d,
-                "dequantize_x_copy": t_d / t_copy,
-                "nbytes": q.nbytes,
-                "compression": x.numel() * 4 / q.nbytes,
-            }
-        )
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        x = base.to(device, dtype)
+        x_bytes = x.numel() * x.element_size()
+        t_copy = median_seconds(x.clone, device, args.repeats, args.warmup)
+        copy_gbps = 2 * x_bytes / 1e9 / t_copy  # a copy reads and writes
+        result["dtypes"][dtype_name] = {"copy_ms": t_copy * 1e3, "copy_gbps": copy_gbps}
+        for bits in args.bits:
+            q = quantize(x, bits, args.group_size, seed=0)
+            t_q = median_seconds(
+                lambda b=bits, x=x: quantize(x, b, args.group_size, seed=0),
+                device,
+                args.repeats,
+                args.warmup,
+            )
+            t_d = median_seconds(q.dequantize, device, args.repeats, args.warmup)
+            moved = (x_bytes + q.nbytes) / 1e9  # either direction
+            result["rows"].append(
+                {
+                    "dtype": dtype_name,
+                    "bits": bits,
+                    "quantize_ms": t_q * 1e3,
+                    "quantize_gbps": moved / t_q,
+                    "quantize_pct_copy_bw": 100 * moved / t_q / copy_gbps,
+                    "quantize_x_copy": t_q / t_copy,
+                    "dequantize_ms": t_d * 1e3,
+                    "dequantize_gbps": moved / t_d,
+                    "dequantize_pct_copy_bw": 100 * moved / t_d / copy_gbps,
+                    "dequantize_x_copy": t_d / t_copy,
+                    "nbytes": q.nbytes,
+                    "compression": x_bytes / q.nbytes,
+                }
+            )
     return result
 
 
 def format_table(res: dict) -> str:
     head = (
-        f"device={res['device']} path={res['path']} shape={tuple(res['shape'])} fp32 "
+        f"device={res['device']} path={res['path']} shape={tuple(res['shape'])} "
         f"G={res['group_size']} threads={res['threads']} torch={res['torch']}\n"
-        f"x.clone(): {res['copy_ms']:.3g} ms ({res['copy_gbps']:.3g} GB/s read+write)\n\n"
     )
+    for name, c in res["dtypes"].items():
+        head += f"{name} x.clone(): {c['copy_ms']:.3g} ms ({c['copy_gbps']:.4g} GB/s read+write)\n"
     lines = [
-        "| bits | quantize ms | GB/s | x copy | dequantize ms | GB/s | x copy | compression |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dtype | bits | quantize ms | GB/s | % copy bw | dequantize ms | GB/s | % copy bw "
+        "| compression |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['bits']} | {r['quantize_ms']:.3g} | {r['quantize_gbps']:.3g} "
-            f"| {r['quantize_x_copy']:.3g} | {r['dequantize_ms']:.3g} "
-            f"| {r['dequantize_gbps']:.3g} | {r['dequantize_x_copy']:.3g} "
+            f"| {r['dtype']} | {r['bits']} | {r['quantize_ms']:.3g} | {r['quantize_gbps']:.4g} "
+            f"| {r['quantize_pct_copy_bw']:.0f} % | {r['dequantize_ms']:.3g} "
+            f"| {r['dequantize_gbps']:.4g} | {r['dequantize_pct_copy_bw']:.0f} % "
             f"| {r['compression']:.3g}x |"
         )
-    return head + "\n".join(lines)
+    return head + "\n" + "\n".join(lines)
 
 
 def main() -> None:
@@ -122,6 +137,8 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=256)
     p.add_argument("--numel", type=int, default=None, help="overrides --rows: numel // cols rows")
     p.add_argument("--bits", type=int, nargs="+", default=list(SUPPORTED_BITS))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dry", action="store_true", help="tiny CPU run: checks the script works")
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=None, help="default 50 (cuda) / 7 (cpu)")
     p.add_argument("--warmup", type=int, default=2)
@@ -130,6 +147,8 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dry:
+        args.device, args.rows, args.numel, args.repeats, args.warmup = "cpu", 512, None, 2, 1
     cuda = args.device.startswith("cuda")
     if args.rows is None:
         args.rows = 169343 if cuda else 16384

@@ -14,14 +14,18 @@ A tensor ``x`` is viewed as a 2-D matrix ``(R, C)`` with ``C = x.shape[-1]`` (a 
 Quantization is stochastic rounding,
 
 .. math::
-    q = \mathrm{clamp}\big(\lfloor (x - \mathrm{lo}_b) / \mathrm{scale}_b + u \rfloor,
-    \ 0,\ 2^b - 1\big), \qquad u \sim U[0, 1),
+    q = \mathrm{rne}\big(\min(t + u - \tfrac12,\ 2^b - 1)\big), \qquad
+    t = (x - \mathrm{lo}_b) \cdot \mathrm{fl}(1 / \mathrm{scale}_b), \qquad u \sim U[0, 1),
 
-with ``u`` from a counter-based hash of ``(seed, element offset)``
+every operation in fp32 (``rne``: round half to even, which is :math:`\lfloor t + u \rfloor`
+except at exact ties), with ``u`` from a counter-based hash of ``(seed, element offset)``
 (:mod:`gact_graph.kernels.rng`), and dequantization is :math:`\mathrm{lo}_b + q\,\mathrm{scale}_b`
-in fp32, cast to the input dtype. It is unbiased, :math:`E[\hat x] = x` (up to ``u`` having
-24 bits and the final cast to fp16/bf16), with per-element variance
+in fp32, cast to the input dtype. It is unbiased, :math:`E[\hat x] = x`, up to fp32 rounding of
+``t`` (a relative error of about 2**-23, as the rounding of ``x - lo_b`` already was), ``u``
+having 24 bits, ties, and the final cast to fp16/bf16; per-element variance
 :math:`\mathrm{scale}_b^2\, f (1 - f) \le \mathrm{scale}_b^2 / 4`, ``f`` the fractional part.
+The form is chosen for the GPU: one multiply instead of a division, and a rounding done by an
+fp32 add instead of conversion instructions (:mod:`gact_graph.kernels.quantize`).
 The product ``q * scale_b`` is exact in fp32 (8-bit integer times 8-bit bf16 significand), so
 fused and unfused multiply-add give the same bits.
 

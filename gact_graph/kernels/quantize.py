@@ -17,6 +17,9 @@ bf16 holding ``lo_b`` and ``scale_b``).
 
 from __future__ import annotations
 
+import functools
+import os
+import struct
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from gact_graph.kernels.bitpack import code_table, pack_bits
 from gact_graph.kernels.layout import GroupLayout, group_layout
-from gact_graph.kernels.rng import uniform_bits_range_
+from gact_graph.kernels.rng import rng_key, uniform_bits_range_
 
 try:  # Triton is optional; the references below never need it.
     import triton
@@ -61,9 +64,10 @@ CHUNK_ELEMS = 1 << 18
 FP16_MAX = torch.finfo(torch.float16).max
 
 
+@functools.cache
 def _inv_levels(bits: int) -> float:
     """``1 / (2**bits - 1)`` rounded to fp32 (the same constant in both paths)."""
-    return torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32).item()
+    return struct.unpack("f", struct.pack("f", 1.0 / ((1 << bits) - 1)))[0]
 
 
 def _resolve_layout(shape: Sequence[int], group_size: int | GroupLayout) -> GroupLayout:
@@ -82,60 +86,125 @@ def _as_2d(x: Tensor, layout: GroupLayout) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
-    from gact_graph.kernels.rng import uniform as _uniform
+    from gact_graph.kernels.rng import lowbias32 as _lowbias32
 
     @triton.jit
-    def _group_coords(grp, pos, R, C, g, n, k, W):
-        """(row, col, valid) of positions ``pos`` of groups ``grp`` in the ``(R, C)`` view."""
-        rb = grp // n
-        j = grp - rb * n
-        r = rb[:, None] * k + (pos // W)[None, :]
-        c = j[:, None] * g + (pos % W)[None, :]
-        valid = (pos < k * W)[None, :] & (r < R) & (c < C)
-        return r, c, valid
+    def _tile(group0, num_groups, GROUPS: tl.constexpr, H: tl.constexpr, T: tl.constexpr,
+              V: tl.constexpr):  # fmt: skip
+        """This program's groups (int64), whether they exist, and the position in the group of
+        each slot of a ``(H, 1, T, V)`` tile. A group is spread over ``T`` threads (the groups
+        of a program over the warps), each holding ``H`` runs of ``V`` contiguous elements of
+        it: its range needs few shuffles, and few threads compute its metadata."""
+        pid = tl.program_id(0).to(tl.int64)
+        grp = group0 + pid * GROUPS + tl.arange(0, GROUPS)
+        h = tl.arange(0, H)[:, None, None, None]
+        t = tl.arange(0, T)[None, None, :, None]
+        v = tl.arange(0, V)[None, None, None, :]
+        return grp, grp < num_groups, h * (T * V) + t * V + v
 
-    # Triton turns an integer argument equal to 1 into a compile-time constant; a seed of 1
-    # would then reach `uniform` as a Python int and fail to compile (seen on an H100).
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit
+    def _byte_index(H: tl.constexpr, T: tl.constexpr, V: tl.constexpr, P: tl.constexpr):
+        """Byte of its group that each slot of a ``(H, 1, T, V // P)`` tile packs."""
+        h = tl.arange(0, H)[:, None, None, None]
+        t = tl.arange(0, T)[None, None, :, None]
+        vb = tl.arange(0, V // P)[None, None, None, :]
+        return h * (T * V // P) + t * (V // P) + vb
+
+    @triton.jit
+    def _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W, G: tl.constexpr,
+                  BLOCK: tl.constexpr, DENSE: tl.constexpr, PARTIAL: tl.constexpr):  # fmt: skip
+        """Element offsets into the ``(R, C)`` view (strided) of positions ``pos`` of groups
+        ``grp``, and which of them are real elements.
+
+        ``DENSE``: group ``i`` is the flat range ``[i * G, (i + 1) * G)`` of a contiguous
+        tensor (no padding inside it; ``PARTIAL``: the last group may end early), so the
+        offsets are affine in ``pos`` and the loads and stores vectorize.
+        """
+        if DENSE:
+            offs = grp[None, :, None, None] * G + pos
+            valid = live[None, :, None, None]
+            if BLOCK != G:
+                valid = valid & (pos < G)
+            if PARTIAL:
+                valid = valid & (offs < numel)
+            out_offs = offs
+        else:
+            rb = grp // n
+            j = grp - rb * n
+            r = rb[None, :, None, None] * k + pos // W
+            c = j[None, :, None, None] * G + pos % W
+            valid = live[None, :, None, None] & (pos < k * W) & (r < R) & (c < C)
+            offs = r * stride_r + c * stride_c
+            out_offs = r * C + c
+        return offs, out_offs, valid
+
+    @triton.jit
+    def _nan_min(a, b):
+        return tl.minimum(a, b, tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _nan_max(a, b):
+        return tl.maximum(a, b, tl.PropagateNan.ALL)
+
+    # Integer arguments are not specialized: Triton would compile another variant for every
+    # value equal to 1 or divisible by 16, and a key equal to 1 would reach the hash as a
+    # Python int. The strides keep their specialization (it lets strided loads vectorize).
+    @triton.jit(do_not_specialize=["numel", "R", "C", "num_groups", "group0", "n", "k", "W",
+                                   "key"])  # fmt: skip
     def _quantize_pack_kernel(
         x_ptr,
         packed_ptr,
         meta_ptr,
+        numel,
         R,
         C,
         stride_r,
         stride_c,
         num_groups,
-        g,
+        group0,
         n,
         k,
         W,
-        seed,
+        key,
         inv_levels,
         BITS: tl.constexpr,
-        BLOCK: tl.constexpr,
+        G: tl.constexpr,
         GROUPS: tl.constexpr,
+        H: tl.constexpr,
+        T: tl.constexpr,
+        V: tl.constexpr,
+        DENSE: tl.constexpr,
+        PARTIAL: tl.constexpr,
+        WIDE: tl.constexpr,
     ):
+        """One program quantizes ``GROUPS`` groups: each element is read once, the group's
+        range and the packed codes come from the same registers."""
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        PER_BYTE: tl.constexpr = 8 // BITS
-        pid = tl.program_id(0).to(tl.int64)
-        grp = pid * GROUPS + tl.arange(0, GROUPS)
-        pos = tl.arange(0, BLOCK)
-        live = grp < num_groups
-        r, c, valid = _group_coords(grp, pos, R, C, g, n, k, W)
-        valid = valid & live[:, None]
-        x = tl.load(x_ptr + r * stride_r + c * stride_c, mask=valid, other=0.0).to(tl.float32)
+        P: tl.constexpr = 8 // BITS
+        BLOCK: tl.constexpr = H * T * V
+        BPG: tl.constexpr = G * BITS // 8
+        ELEM_MASK: tl.constexpr = (not DENSE) or PARTIAL or BLOCK != G
+        grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
+        offs, _, valid = _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W,
+                                   G, BLOCK, DENSE, PARTIAL)  # fmt: skip
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
 
-        # Group statistics over the real elements; NaN/Inf are flagged, not reduced.
-        bad = valid & ((x != x) | (tl.abs(x) == float("inf")))
-        nonfinite = tl.max(bad.to(tl.int32), axis=1) > 0
-        lo = tl.min(tl.where(valid, x, float("inf")), axis=1)
-        hi = tl.max(tl.where(valid, x, -float("inf")), axis=1)
+        # Group range, NaN-propagating (a NaN makes the group non-finite, as an Inf does).
+        if ELEM_MASK:
+            x_lo = tl.where(valid, x, float("inf"))
+            x_hi = tl.where(valid, x, -float("inf"))
+        else:  # only whole groups are masked: their (zero) values are never stored
+            x_lo = x
+            x_hi = x
+        # within each thread first (axes 3 and 0), then across the group's T threads
+        lo = tl.reduce(tl.reduce(tl.reduce(x_lo, 3, _nan_min), 0, _nan_min), 1, _nan_min)
+        hi = tl.reduce(tl.reduce(tl.reduce(x_hi, 3, _nan_max), 0, _nan_max), 1, _nan_max)
+        finite = (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
         # Keep the metadata arithmetic of dead/non-finite groups finite (it is discarded).
-        lo = tl.where(live & ~nonfinite, lo, 0.0)
-        hi = tl.where(live & ~nonfinite, hi, 0.0)
+        lo = tl.where(finite, lo, 0.0)
+        hi = tl.where(finite, hi, 0.0)
 
-        # lo rounded down and the scale rounded up to bf16, on the bit patterns.
+        # bf16 metadata: lo rounded down, scale rounded up (see the module docstring).
         lo_bits = lo.to(tl.uint32, bitcast=True)
         lo_trunc = lo_bits & 0xFFFF0000
         lo_away = ((lo_bits >> 31) != 0) & ((lo_bits & 0xFFFF) != 0)
@@ -149,77 +218,94 @@ if triton is not None:
         s = s_bits.to(tl.float32, bitcast=True)
         top = lo_b + s * LEVELS
 
-        const = (~nonfinite) & (hi == lo)
-        regular = (~nonfinite) & (hi != lo) & (tl.abs(top) < float("inf"))
+        const = finite & (hi == lo)
+        regular = finite & (hi != lo) & (tl.abs(top) < float("inf"))
         lo16 = tl.where(regular, lo_b_bits >> 16, tl.where(const, lo_bits >> 16, 0x7FC0))
         sc16 = tl.where(
             regular, s_bits >> 16, tl.where(const, 0x8000 | ((lo_bits & 0xFFFF) >> 1), 0x7FC0)
         )
         bit = tl.where(const, lo_bits & 1, 0)
+        keep = tl.where(regular, LEVELS, 0).to(tl.uint32)
         lo_q = tl.where(regular, lo_b, 0.0)
-        s_q = tl.where(regular, s, 1.0)
+        inv = tl.where(regular, tl.math.div_rn(tl.full(lo.shape, 1.0, tl.float32), s), 0.0)
 
-        # Stochastic rounding; non-regular groups never cast a NaN to an integer.
-        t = tl.math.div_rn(x - lo_q[:, None], s_q[:, None])
-        u = _uniform(seed, grp[:, None] * g + pos[None, :])
-        v = tl.minimum(tl.maximum(tl.floor(t + u), 0.0), LEVELS)
-        v = tl.where(valid & regular[:, None], v, 0.0)
-        code = tl.where(valid, v.to(tl.uint32) | bit[:, None], 0)
+        # Stochastic rounding: q = round_half_even(min(t + u - 1/2, LEVELS)), t = (x - lo) / s.
+        t = (x - lo_q[None, :, None, None]) * inv[None, :, None, None]
+        if WIDE:  # offsets past 2**32: the key follows the offset's high word (`key` = seed)
+            eo = grp[None, :, None, None] * G + pos
+            hi_key = _lowbias32((eo >> 32).to(tl.uint32) + 0x9E3779B9)
+            h = _lowbias32(eo.to(tl.uint32) ^ _lowbias32(key.to(tl.uint32) ^ hi_key))
+        else:  # every offset is below 2**32: one key, and 32-bit offsets
+            lo32 = (grp * G).to(tl.uint32)[None, :, None, None] + pos.to(tl.uint32)
+            h = _lowbias32(lo32 ^ key.to(tl.uint32))
+        # u - 1/2 = (h >> 8) * 2**-24 - 1/2, exact (one fma, nothing to round)
+        u_half = tl.fma((h >> 8).to(tl.float32), 1.0 / 16777216.0, -0.5)
+        w = tl.minimum(t + u_half, LEVELS * 1.0)
+        # w + 1.5 * 2**23 rounds w to the nearest integer (ties to even), which then sits in the
+        # low mantissa bits; w >= -1/2, so the integer is >= 0. NaN (non-regular groups) and
+        # padding end up zero through `keep` / `valid`.
+        code = (w + 12582912.0).to(tl.uint32, bitcast=True) & keep[None, :, None, None]
+        code = code | bit[None, :, None, None]
+        if ELEM_MASK:
+            code = tl.where(valid, code, 0)
 
-        bpg = g * BITS // 8
-        if PER_BYTE == 1:
-            byte = code.to(tl.uint8)
-            b = pos
-        else:
-            lanes = tl.reshape(code, (GROUPS, BLOCK // PER_BYTE, PER_BYTE))
-            shift = tl.arange(0, PER_BYTE) * BITS
-            byte = tl.sum(lanes << shift[None, None, :], axis=2).to(tl.uint8)
-            b = tl.arange(0, BLOCK // PER_BYTE)
-        tl.store(
-            packed_ptr + grp[:, None] * bpg + b[None, :],
-            byte,
-            mask=live[:, None] & (b < bpg)[None, :],
-        )
-        tl.store(meta_ptr + grp * 2, lo16.to(tl.int16), mask=live)
-        tl.store(meta_ptr + grp * 2 + 1, sc16.to(tl.int16), mask=live)
+        # the P = 8 / BITS codes of a byte are adjacent along the tile's last axis (V >= P)
+        shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
+        code = tl.reshape(code, (H, GROUPS, T, V // P, P))
+        byte = tl.sum(code << shift, axis=4).to(tl.uint8)  # disjoint bits
+        b = _byte_index(H, T, V, P)
+        bmask = live[None, :, None, None]
+        if BLOCK != G:
+            bmask = bmask & (b < BPG)
+        tl.store(packed_ptr + grp[None, :, None, None] * BPG + b, byte, mask=bmask)
+        word = (lo16 | (sc16 << 16)).to(tl.int32, bitcast=True)  # (lo, scale) little-endian
+        tl.store(meta_ptr + grp, word, mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["numel", "R", "C", "num_groups", "group0", "n", "k", "W"])
     def _unpack_dequantize_kernel(
         packed_ptr,
         meta_ptr,
         out_ptr,
+        numel,
         R,
         C,
         num_groups,
-        g,
+        group0,
         n,
         k,
         W,
         BITS: tl.constexpr,
-        BLOCK: tl.constexpr,
+        G: tl.constexpr,
         GROUPS: tl.constexpr,
+        H: tl.constexpr,
+        T: tl.constexpr,
+        V: tl.constexpr,
+        DENSE: tl.constexpr,
+        PARTIAL: tl.constexpr,
         OUT_BF16: tl.constexpr,
         OUT_FP16: tl.constexpr,
     ):
+        """One program dequantizes ``GROUPS`` groups: each packed byte is read once and gives
+        its ``8 / BITS`` values."""
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        PER_BYTE: tl.constexpr = 8 // BITS
-        pid = tl.program_id(0).to(tl.int64)
-        grp = pid * GROUPS + tl.arange(0, GROUPS)
-        pos = tl.arange(0, BLOCK)
-        live = grp < num_groups
-        r, c, valid = _group_coords(grp, pos, R, C, g, n, k, W)
-        valid = valid & live[:, None]
+        P: tl.constexpr = 8 // BITS
+        BLOCK: tl.constexpr = H * T * V
+        BPG: tl.constexpr = G * BITS // 8
+        grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
+        _, offs, valid = _elements(grp, live, pos, numel, R, C, C, 1, n, k, W,
+                                   G, BLOCK, DENSE, PARTIAL)  # fmt: skip
+        b = _byte_index(H, T, V, P)
+        bmask = live[None, :, None, None]
+        if BLOCK != G:
+            bmask = bmask & (b < BPG)
+        byte = tl.load(packed_ptr + grp[None, :, None, None] * BPG + b, mask=bmask, other=0)
+        shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
+        code = (byte.to(tl.uint32)[:, :, :, :, None] >> shift) & LEVELS
+        code = tl.reshape(code, (H, GROUPS, T, V))
 
-        bpg = g * BITS // 8
-        byte = tl.load(
-            packed_ptr + grp[:, None] * bpg + (pos // PER_BYTE)[None, :],
-            mask=live[:, None] & (pos < g)[None, :],
-            other=0,
-        )
-        code = (byte.to(tl.uint32) >> ((pos % PER_BYTE) * BITS)[None, :]) & LEVELS
-
-        lo16 = tl.load(meta_ptr + grp * 2, mask=live, other=0).to(tl.uint32) & 0xFFFF
-        sc16 = tl.load(meta_ptr + grp * 2 + 1, mask=live, other=0).to(tl.uint32) & 0xFFFF
+        word = tl.load(meta_ptr + grp, mask=live, other=0).to(tl.uint32, bitcast=True)
+        lo16 = word & 0xFFFF
+        sc16 = word >> 16
         const = (sc16 & 0x8000) != 0
         b0 = tl.where(const, (lo16 << 16) | ((sc16 & 0x7FFF) << 1), lo16 << 16)
         lo_eff = b0.to(tl.float32, bitcast=True)
@@ -228,7 +314,10 @@ if triton is not None:
             (b0 | 1).to(tl.float32, bitcast=True) - lo_eff,
             (sc16 << 16).to(tl.float32, bitcast=True),
         )
-        val = lo_eff[:, None] + code.to(tl.float32) * sc_eff[:, None]
+        # the code as fp32 without a conversion instruction: 2**23 + code, minus 2**23
+        code_f = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        val = lo_eff[None, :, None, None] + code_f * sc_eff[None, :, None, None]
+        # (the product is exact)
         if OUT_FP16:  # 65504 = FP16_MAX (see there); NaN groups stay NaN
             val = tl.minimum(tl.maximum(val, -65504.0, tl.PropagateNan.ALL), 65504.0,
                              tl.PropagateNan.ALL)  # fmt: skip
@@ -238,17 +327,116 @@ if triton is not None:
             vb = val.to(tl.uint32, bitcast=True)
             vb = (vb + 0x7FFF + ((vb >> 16) & 1)) >> 16
             vb = tl.where(val != val, 0x7FC0, vb)
-            tl.store(out_ptr + r * C + c, vb.to(tl.int16), mask=valid)
+            tl.store(out_ptr + offs, vb.to(tl.int16), mask=valid)
         else:
-            tl.store(out_ptr + r * C + c, val.to(out_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _launch_config(layout: GroupLayout) -> tuple[int, int, tuple[int]]:
-    """BLOCK (power of 2 >= g), groups per program, grid. Keyed on g only, never on sizes."""
-    block = triton.next_power_of_2(layout.group_size)
-    groups = max(1, 4096 // block)
-    groups = min(groups, triton.next_power_of_2(max(layout.num_groups, 1)))
-    return block, groups, (triton.cdiv(layout.num_groups, groups),)
+#: ``(elements per program, warps, threads per group)`` tried by the lazy autotuner; the first
+#: is the default. Fewer threads per group make its range cheaper (fewer shuffles, metadata
+#: computed by fewer threads); each memory instruction of a warp still reads 128 contiguous
+#: bytes or more.
+CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (2048, 4, 8), (8192, 4, 4), (16384, 8, 8))
+_TUNED: dict[tuple, tuple[int, int, int]] = {}
+#: padded sizes from which the quantizer keys its RNG per element (offsets past 2**32); a test
+#: lowers it to run that path on small tensors
+WIDE_FROM = 1 << 32
+_SM_COUNT: dict[int, int] = {}
+
+
+def _autotune_enabled(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and os.environ.get("GACT_GRAPH_AUTOTUNE", "1") != "0"
+    )
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _is_dense(layout: GroupLayout) -> bool:
+    """Group ``i`` is the flat range ``[i * g, (i + 1) * g)`` of the row-major tensor."""
+    g, n, k, cols = layout.group_size, layout.groups_per_row, layout.rows_per_group, layout.cols
+    return (k == 1 and n * g == cols) or (k > 1 and k * cols == g)
+
+
+def tile_shape(g: int, bits: int, element_size: int, threads: int) -> tuple[int, int, int]:
+    """``(H, T, V)``: a group is an ``(H, T, V)`` tile, ``T`` threads each holding ``H`` runs
+    of ``V`` contiguous elements, ``V`` at least one 16-byte vector of the unpacked dtype and
+    one packed byte's codes; ``H * T * V`` is ``g`` rounded up to a power of 2."""
+    block = triton.next_power_of_2(g)
+    v = min(max(16 // element_size, 8 // bits), block)
+    t = max(1, min(threads, block // v))
+    return block // (t * v), t, v
+
+
+def _launch(
+    kind: str,
+    bits: int,
+    layout: GroupLayout,
+    element_size: int,
+    device: torch.device,
+    dense: bool,
+    run,
+) -> None:
+    """Run ``run(group0, num_groups, groups, partial, warps, tile, grid)`` over all groups.
+
+    The configuration (elements per program, warps, threads per group) is tuned once per
+    ``(kind, bits, g)`` on CUDA, at first use, never per tensor size; programs are then made
+    smaller only where a small tensor would leave most of the device idle. A dense layout whose
+    last group ends early runs that group in a launch of its own, so the bulk keeps
+    group-level masks (and vectorized loads and stores).
+    """
+    g, ng = layout.group_size, layout.num_groups
+    block = triton.next_power_of_2(g)
+    partial = dense and layout.rows * layout.cols != ng * g
+
+    def go(cfg: tuple[int, int, int]) -> None:
+        elems, warps, threads = cfg
+        tile = tile_shape(g, bits, element_size, threads)
+        groups = triton.next_power_of_2(max(1, elems // block))
+        if device.type == "cuda":  # at least about two programs per SM where the size allows
+            while groups > 1 and -(-ng // groups) < 2 * _sm_count(device):
+                groups //= 2
+        bulk = ng - 1 if partial else ng
+        if bulk > 0:
+            run(0, bulk, groups, False, warps, tile, (triton.cdiv(bulk, groups),))
+        if partial:
+            run(ng - 1, ng, 1, True, 4, tile, (1,))
+
+    key = (kind, bits, g)
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        if not _autotune_enabled(device):
+            cfg = CONFIGS[0]
+        else:
+            cfg = _tune(go, device)
+            _TUNED[key] = cfg
+    go(cfg)
+
+
+def _tune(go, device: torch.device) -> tuple[int, int, int]:
+    """The fastest of `CONFIGS` on this call's tensor (each one's output is the same)."""
+    best, best_ms = CONFIGS[0], float("inf")
+    with torch.cuda.device(device):
+        for cfg in CONFIGS:
+            go(cfg)  # compile and warm up
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                go(cfg)
+            stop.record()
+            stop.synchronize()
+            ms = start.elapsed_time(stop)
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+    return best
 
 
 def _require_triton() -> None:
@@ -267,28 +455,43 @@ def triton_quantize(
     meta = torch.empty((layout.num_groups, 2), dtype=torch.int16, device=x.device)
     if layout.num_groups:
         x2d = _as_2d(x, layout)
-        block, groups, grid = _launch_config(layout)
-        _quantize_pack_kernel[grid](
-            x2d,
-            packed,
-            meta,
-            layout.rows,
-            layout.cols,
-            x2d.stride(0),
-            x2d.stride(1),
-            layout.num_groups,
-            layout.group_size,
-            layout.groups_per_row,
-            layout.rows_per_group,
-            layout.row_width,
-            seed & _MASK32,
-            _inv_levels(bits),
-            BITS=bits,
-            BLOCK=block,
-            GROUPS=groups,
-            num_warps=4,
-            enable_fp_fusion=False,  # belt and braces: no product here needs rounding anyway
-        )
+        dense = _is_dense(layout) and x2d.is_contiguous()
+        wide = layout.padded_numel > WIDE_FROM
+        key = (seed & _MASK32) if wide else rng_key(seed)
+        meta32 = meta.view(torch.int32)
+        g = layout.group_size
+
+        def run(group0, num_groups, groups, partial, warps, tile, grid):
+            _quantize_pack_kernel[grid](
+                x2d,
+                packed,
+                meta32,
+                layout.rows * layout.cols,
+                layout.rows,
+                layout.cols,
+                x2d.stride(0),
+                x2d.stride(1),
+                num_groups,
+                group0,
+                layout.groups_per_row,
+                layout.rows_per_group,
+                layout.row_width,
+                key - (1 << 32) if key >= 1 << 31 else key,  # as int32
+                _inv_levels(bits),
+                BITS=bits,
+                G=g,
+                GROUPS=groups,
+                H=tile[0],
+                T=tile[1],
+                V=tile[2],
+                DENSE=dense,
+                PARTIAL=partial,
+                WIDE=wide,
+                num_warps=warps,
+                enable_fp_fusion=False,  # t + u must round after t = (x - lo) * inv
+            )
+
+        _launch("quantize", bits, layout, x.element_size(), x.device, dense, run)
     return packed, meta.view(torch.bfloat16)
 
 
@@ -305,26 +508,39 @@ def triton_dequantize(
     layout = _resolve_layout(shape, group_size)
     out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
     if layout.num_groups:
-        block, groups, grid = _launch_config(layout)
-        _unpack_dequantize_kernel[grid](
-            packed,
-            meta.view(torch.int16),
-            out.view(torch.int16) if dtype == torch.bfloat16 else out,
-            layout.rows,
-            layout.cols,
-            layout.num_groups,
-            layout.group_size,
-            layout.groups_per_row,
-            layout.rows_per_group,
-            layout.row_width,
-            BITS=bits,
-            BLOCK=block,
-            GROUPS=groups,
-            OUT_BF16=dtype == torch.bfloat16,
-            OUT_FP16=dtype == torch.float16,
-            num_warps=4,
-            enable_fp_fusion=False,  # belt and braces: no product here needs rounding anyway
-        )
+        dense = _is_dense(layout)
+        meta32 = meta.view(torch.int16).view(torch.int32)
+        out_k = out.view(torch.int16) if dtype == torch.bfloat16 else out
+        g = layout.group_size
+
+        def run(group0, num_groups, groups, partial, warps, tile, grid):
+            _unpack_dequantize_kernel[grid](
+                packed,
+                meta32,
+                out_k,
+                layout.rows * layout.cols,
+                layout.rows,
+                layout.cols,
+                num_groups,
+                group0,
+                layout.groups_per_row,
+                layout.rows_per_group,
+                layout.row_width,
+                BITS=bits,
+                G=g,
+                GROUPS=groups,
+                H=tile[0],
+                T=tile[1],
+                V=tile[2],
+                DENSE=dense,
+                PARTIAL=partial,
+                OUT_BF16=dtype == torch.bfloat16,
+                OUT_FP16=dtype == torch.float16,
+                num_warps=warps,
+                enable_fp_fusion=False,  # belt and braces: the one product here is exact
+            )
+
+        _launch("dequantize", bits, layout, out.element_size(), packed.device, dense, run)
     return out
 
 
@@ -351,7 +567,7 @@ def _round_bits_away(b: Tensor, away: Tensor) -> Tensor:
 class _GroupParams(NamedTuple):
     meta: Tensor  # (ng, 2) int16 bit patterns
     lo_q: Tensor  # fp32 offset used for rounding (0 in non-regular groups)
-    scale_q: Tensor  # fp32 step used for rounding (1 in non-regular groups)
+    inv_q: Tensor  # fp32 1 / step used for rounding (0 in non-regular groups)
     regular: Tensor  # bool
     const_bit: Tensor  # uint8, bit 0 of the value of constant groups, else 0
 
@@ -385,7 +601,7 @@ def _group_params(lo: Tensor, hi: Tensor, bits: int) -> _GroupParams:
     return _GroupParams(
         meta=meta,
         lo_q=torch.where(regular, lo_b, 0.0),
-        scale_q=torch.where(regular, s, 1.0),
+        inv_q=torch.where(regular, 1.0 / s, 0.0),
         regular=regular,
         const_bit=torch.where(const, lo_bits & 1, 0).to(torch.uint8),
     )
@@ -516,14 +732,15 @@ def quantize_reference(
         m = _to_group_matrix(x2d, blk, layout)
         lo, hi = torch.aminmax(m, dim=1)
         p = _group_params(lo, hi, bits)
-        v = m.sub(p.lo_q[:, None]).div_(p.scale_q[:, None])
+        v = m.sub(p.lo_q[:, None]).mul_(p.inv_q[:, None])
         # contiguous whatever v's strides (a transposed square input gives a transposed v):
         # the draws are numbered in group-matrix order, as the Triton kernel numbers them
         h = torch.empty(v.shape, dtype=torch.int32, device=v.device)
         h = uniform_bits_range_(h, seed, blk.first * g)
-        # v + u with u = (h >> 8) * 2**-24: the product is exact, so this is one rounding.
-        v.add_(h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF), alpha=_INV_2_24)
-        v.floor_().clamp_(0, levels)
+        # v + (u - 1/2) with u = (h >> 8) * 2**-24: the product is exact, so this is one
+        # rounding; then round half to even, which is floor(v + u) but at exact ties.
+        h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).sub_(0x800000)
+        v.add_(h, alpha=_INV_2_24).clamp_(max=levels).round_()
         # Special groups need two more passes; skip them when there are none (on CPU only:
         # on CUDA that check would sync the device).
         special = m.is_cuda or not bool(p.regular.all())

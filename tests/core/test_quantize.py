@@ -290,7 +290,8 @@ def test_reference_blocking_does_not_change_results(shape, group_size, chunk):
 
 
 def test_codes_follow_the_definition():
-    """floor((x - lo_b) / scale_b + u) with u from the element's offset in the group matrix."""
+    """round_half_even(min(t + u - 1/2, 2**b - 1)), t = (x - lo_b) * fl(1 / scale_b), in fp32,
+    with u from the element's offset in the group matrix."""
     x = torch.randn(9, 100)  # rows mode: k = 2, g = 200, last group has one padded row
     seed, bits = 11, 4
     q = quantize(x, bits, seed=seed)
@@ -299,7 +300,8 @@ def test_codes_follow_the_definition():
     codes = unpack_bits(q.packed, bits, lay.padded_numel).view(lay.num_groups, lay.group_size)
     xg = torch.cat([x, torch.zeros(1, 100)]).view(5, 200)
     u = uniform_reference(seed, torch.arange(lay.padded_numel)).view(5, 200)
-    want = ((xg - lo_b[:, None]) / s[:, None] + u).floor().clamp(0, 15).to(torch.uint8)
+    t = (xg - lo_b[:, None]) * (1.0 / s[:, None])
+    want = (t + (u - 0.5)).clamp(max=15).round().to(torch.uint8)
     want[4, 100:] = 0  # padding
     assert torch.equal(codes, want)
 

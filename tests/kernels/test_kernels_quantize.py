@@ -144,6 +144,41 @@ def test_public_api_dispatches_to_triton():
     assert same_values(y.cpu(), kq.dequantize_reference(ref_packed, ref_meta, 2, x.shape, x.dtype))
 
 
+@needs_kernels
+@pytest.mark.parametrize("cfg", list(kq.CONFIGS))
+def test_every_tuned_configuration_gives_the_same_bits(cfg, monkeypatch):
+    """The autotuner may pick any of `CONFIGS` (programs, warps, threads per group): the
+    results never depend on it. Dense rows, a dense layout whose last group ends early (its
+    own launch), padded groups, and bf16 input."""
+    monkeypatch.setattr(kq, "CONFIGS", (cfg,))
+    torch.manual_seed(5)
+    assert_matches_reference(with_specials(torch.randn(40, 256)).to(DEVICE), 2)
+    assert_matches_reference(torch.randn(75, 64).to(DEVICE), 1)  # k = 4, last group 3 rows
+    assert_matches_reference(torch.randn(9, 300).to(DEVICE, torch.bfloat16), 4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [1, 8])
+def test_wide_path_keys_every_element_like_the_narrow_one(bits, monkeypatch):
+    """Tensors past 2**32 padded elements key the RNG per element from the offset's high
+    word; below that both paths give the same bits (the high word is 0)."""
+    monkeypatch.setattr(kq, "WIDE_FROM", 0)
+    torch.manual_seed(6)
+    assert_matches_reference(with_specials(torch.randn(20, 256)).to(DEVICE), bits)
+    assert_matches_reference(torch.randn(33, 100).to(DEVICE), bits)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_tile_shapes_cover_a_group():
+    for g in (8, 16, 64, 200, 256, 1000):
+        for bits in SUPPORTED_BITS:
+            for es in (2, 4, 8):
+                for threads in (1, 4, 8, 32):
+                    h, t, v = kq.tile_shape(g, bits, es, threads)
+                    assert h * t * v == triton.next_power_of_2(g)
+                    assert v % (8 // bits) == 0 and t <= threads
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -219,7 +254,11 @@ def test_our_modules_import_neither_triton_nor_cuda():
 def test_compiled_seed_is_never_a_compile_time_constant():
     """Triton compiles an int argument equal to 1 as a constant; a seed of 1 then reached the
     RNG as a Python int and the kernel failed to compile on CUDA (the interpreter never
-    specializes, so only this check sees it on a CPU machine)."""
-    k = kq._quantize_pack_kernel
-    names = [k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize]
-    assert "seed" in names
+    specializes, so only this check sees it on a CPU machine). The same holds for the key the
+    seed becomes, and for the sizes (a new variant per size divisible by 16 would compile)."""
+    for k in (kq._quantize_pack_kernel, kq._unpack_dequantize_kernel):
+        names = {k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize}
+        assert {"numel", "num_groups", "group0"} <= names
+    names = {kq._quantize_pack_kernel.arg_names[i] if isinstance(i, int) else i
+             for i in kq._quantize_pack_kernel.do_not_specialize}  # fmt: skip
+    assert "key" in names
