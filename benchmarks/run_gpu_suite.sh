@@ -12,12 +12,21 @@
 #   scaling    benchmarks/scaling.py --device cuda --budget-gb 16   deepest / widest GCN, GCNII
 #   largest    benchmarks/largest_graph.py --device cuda --budget-gb 16   largest graph, GAT/GCN
 #
+# Speed stages, run only when named in SUITE_STAGES (the default runs the five above):
+#   cuda_tests  pytest -m cuda tests                       every CUDA test, kernels included
+#   gat_edge    benchmarks/bench_gat_edge.py --device cuda  the fused GAT/GATv2 edge stage
+#   small       benchmarks/small_graph_epoch.py --device cuda   CiteSeer-sized epoch vs FP32
+#   products    benchmarks/budget_products.py --hidden 32   ogbn-products-size GAT, 16 GiB
+#
+#   SUITE_STAGES="cuda_tests quantize gat_edge step_time small products" bash benchmarks/run_gpu_suite.sh
+#
 # Writes at most 8 files (what the device tool brings back): one JSON per stage, suite.json
 # (environment, each stage's command, exit code and seconds), suite.log (every stage's output)
 # and SUMMARY.md (the tables, ready for docs/results/). A stage that fails or runs out of time
 # does not stop the others. Limits are environment variables (seconds): SUITE_BUDGET (all,
 # default 560), T_QUANTIZE (40), T_MEMORY (150; MEMORY_JOBS=3 configurations at once),
-# T_STEP (70), T_SCALING (160), T_LARGEST (110); SCALING_BUDGET_GB and LARGEST_BUDGET_GB
+# T_STEP (70), T_SCALING (160), T_LARGEST (110), T_CUDA_TESTS (120), T_GAT_EDGE (60),
+# T_SMALL (60), T_PRODUCTS (150); SCALING_BUDGET_GB and LARGEST_BUDGET_GB
 # (default 16, GACT's GPU).
 #
 # From a session with a GPU lent (device tool), then copy the tables into docs/results/:
@@ -40,6 +49,11 @@ T_MEMORY="${T_MEMORY:-150}"
 T_STEP="${T_STEP:-70}"
 T_SCALING="${T_SCALING:-160}"
 T_LARGEST="${T_LARGEST:-110}"
+T_CUDA_TESTS="${T_CUDA_TESTS:-120}"
+T_GAT_EDGE="${T_GAT_EDGE:-60}"
+T_SMALL="${T_SMALL:-60}"
+T_PRODUCTS="${T_PRODUCTS:-150}"
+SUITE_STAGES=" ${SUITE_STAGES:-quantize memory step_time scaling largest} "
 # SUITE_DEVICE=cpu and the *_ARGS variables (extra arguments per stage, word-split) exist to
 # dry-run the suite's mechanics on a machine without a GPU, with tiny sizes; SUITE_DRY_RUN=1
 # sets them all (every stage on CPU at toy sizes, about a minute; tests/benchmarks runs it).
@@ -50,6 +64,8 @@ if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
     : "${STEP_ARGS:=--scale 0.002 --models gcn}"
     : "${SCALING_ARGS:=--models gcn --searches depth --depth-hidden 16 --max-depth 16}"
     : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
+    : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry-run}"
+    : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
 fi
 DEV="${SUITE_DEVICE:-cuda}"
 SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
@@ -61,6 +77,7 @@ START=$(date +%s)
 run_stage() {
     local name="$1" limit="$2"
     shift 2
+    [[ "$SUITE_STAGES" == *" $name "* ]] || return 0
     local left=$((SUITE_BUDGET - ($(date +%s) - START)))
     if ((left < 15)); then
         echo "== $name: skipped, ${left}s left of the suite's ${SUITE_BUDGET}s" | tee -a "$LOG"
@@ -84,6 +101,9 @@ run_stage() {
     "$PY" -c 'import torch, torch_geometric, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "pyg", torch_geometric.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())' 2>&1 || true
     git rev-parse HEAD 2>/dev/null || echo "git revision unknown"
 } >>"$LOG" 2>&1
+
+run_stage cuda_tests "$T_CUDA_TESTS" \
+    "$PY" -m pytest -m cuda tests -p no:cacheprovider -rfE --tb=short -q
 
 run_stage quantize "$T_QUANTIZE" \
     "$PY" benchmarks/bench_quantize.py --device "$DEV" --json "$OUTDIR/bench_quantize.json" \
@@ -111,6 +131,18 @@ run_stage largest "$T_LARGEST" \
     "$PY" benchmarks/largest_graph.py --device "$DEV" --budget-gb "$LARGEST_BUDGET_GB" \
     --rel-tol 0.1 --time-budget $((T_LARGEST - 30)) --json "$OUTDIR/largest_graph.json" \
     ${LARGEST_ARGS:-}
+
+run_stage gat_edge "$T_GAT_EDGE" \
+    "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --json "$OUTDIR/bench_gat_edge.json" \
+    ${GAT_EDGE_ARGS:-}
+
+run_stage small "$T_SMALL" \
+    "$PY" benchmarks/small_graph_epoch.py --device "$DEV" --json "$OUTDIR/small_graph_epoch.json" \
+    ${SMALL_ARGS:-}
+
+run_stage products "$T_PRODUCTS" \
+    "$PY" benchmarks/budget_products.py --device "$DEV" --hidden 32 --steps 4 \
+    --json "$OUTDIR/budget_products.json" ${PRODUCTS_ARGS:-}
 
 # suite.json and SUMMARY.md from what the stages wrote
 "$PY" - "$OUTDIR" "$STAGES" "$START" <<'EOF' >>"$LOG" 2>&1
