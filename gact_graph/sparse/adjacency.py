@@ -10,9 +10,12 @@ normalization are applied with PyG's own functions (`gcn_norm`, `add_remaining_s
 
 Recognizing "the same graph" is cheap first (storage identity, view and version of the input
 tensors) and falls back to a content hash, so a copy of the edge index, an expanded or strided
-view of it, or the same matrix given once as COO and once as CSR all share one adjacency. The
-cache holds a few graphs strongly (most recently used first) and everything else weakly, so it
-never keeps a graph alive forever.
+view of it, or the same matrix given once as COO and once as CSR all share one adjacency. A
+write that leaves the version counter alone (a NumPy buffer behind `torch.from_numpy`, a write
+through ``.data``) keeps the identity, so an identity hit is confirmed by the inputs' content
+hash once per training forward (at every call outside one), compared on their device. The cache
+holds a few graphs strongly (most recently used first) and everything else weakly, so it never
+keeps a graph alive forever.
 """
 
 from __future__ import annotations
