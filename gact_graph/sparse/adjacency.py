@@ -10,9 +10,12 @@ normalization are applied with PyG's own functions (`gcn_norm`, `add_remaining_s
 
 Recognizing "the same graph" is cheap first (storage identity, view and version of the input
 tensors) and falls back to a content hash, so a copy of the edge index, an expanded or strided
-view of it, or the same matrix given once as COO and once as CSR all share one adjacency. The
-cache holds a few graphs strongly (most recently used first) and everything else weakly, so it
-never keeps a graph alive forever.
+view of it, or the same matrix given once as COO and once as CSR all share one adjacency. A
+write that leaves the version counter alone (a NumPy buffer behind `torch.from_numpy`, a write
+through ``.data``) keeps the identity, so an identity hit is confirmed by the inputs' content
+hash once per training forward (at every call outside one), compared on their device. The cache
+holds a few graphs strongly (most recently used first) and everything else weakly, so it never
+keeps a graph alive forever.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def _hash_chunk(device: torch.device) -> int:
     before the adjacency existed); 32 MiB on a GPU, where each chunk costs a dozen kernel
     launches (ogbn-products' edge index: 236 chunks)."""
     return 1 << 16 if device.type == "cpu" else 1 << 20
+
 
 # torch warns once per process that CSR support is "in beta" when we build the transient CSR
 # view of an adjacency; it says nothing to our users, so that one message is silenced.
@@ -306,11 +310,9 @@ def _as_int64_values(t: Tensor) -> Tensor:
     return t.to(torch.int64)
 
 
-def content_hash(t: Tensor | None) -> tuple:
-    """A 128-bit hash of a tensor's shape and values (not of its layout, strides or dtype
-    width): position-dependent mixing summed with int64 wrap-around, in bounded chunks."""
-    if t is None:
-        return ("none",)
+def _hash_pair(t: Tensor) -> Tensor:
+    """`content_hash`'s two 64-bit sums as one int64 [2] tensor on ``t``'s device: no host sync,
+    so a cached graph is checked against it with device ops."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
     h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -328,17 +330,37 @@ def content_hash(t: Tensor | None) -> tuple:
         b = torch.add(v, m, out=a).mul_(_M1)
         h2 += b.bitwise_xor_(b >> 32).sum()
         del v, m, a, b
-    kind = "float" if t.is_floating_point() else "int"
-    return (kind, tuple(t.shape), int(h1), int(h2))
+    return torch.stack((h1, h2))
+
+
+def content_hash(t: Tensor | None) -> tuple:
+    """A 128-bit hash of a tensor's shape and values (not of its layout, strides or dtype
+    width): position-dependent mixing summed with int64 wrap-around, in bounded chunks."""
+    if t is None:
+        return ("none",)
+    return _hash_key(t, _hash_pair(t).tolist())  # (to the host: a sync on a GPU)
+
+
+def _hash_key(t: Tensor, pair: list[int]) -> tuple:
+    """`content_hash` of ``t`` from its `_hash_pair`, read to the host."""
+    return ("float" if t.is_floating_point() else "int", tuple(t.shape), pair[0], pair[1])
 
 
 # ---------------------------------------------------------------------------- cache
 class _Entry:
-    __slots__ = ("adj", "refs")
+    """A cache entry: the adjacency (weakly), the storages its key names (weakly), and for an
+    identity key the content digest of those tensors when it was made (`_digest`) and the
+    forward that last found them unchanged."""
 
-    def __init__(self, adj: CompactAdjacency, refs: list[StorageWeakRef]) -> None:
+    __slots__ = ("adj", "refs", "digest", "checked_in")
+
+    def __init__(
+        self, adj: CompactAdjacency, refs: list[StorageWeakRef], digest: Tensor | None = None
+    ) -> None:
         self.adj = weakref.ref(adj)
         self.refs = refs
+        self.digest = digest
+        self.checked_in: int | None = None
 
     def get(self) -> CompactAdjacency | None:
         if any(r.expired() for r in self.refs):
@@ -372,17 +394,23 @@ class AdjacencyCache:
         while len(self._recent) > self.max_graphs:
             self._recent.popitem(last=False)
 
-    def lookup(self, table: dict, key: tuple) -> CompactAdjacency | None:
+    def entry(self, table: dict, key: tuple) -> _Entry | None:
+        """The live entry under ``key`` (a dead one is dropped)."""
         entry = table.get(key)
-        if entry is None:
-            return None
-        adj = entry.get()
-        if adj is None:
+        if entry is not None and entry.get() is None:
             del table[key]
-        return adj
+            return None
+        return entry
 
-    def insert(self, table: dict, key: tuple, adj: CompactAdjacency, refs=()) -> None:
-        table[key] = _Entry(adj, list(refs))
+    def lookup(self, table: dict, key: tuple) -> CompactAdjacency | None:
+        entry = self.entry(table, key)
+        return None if entry is None else entry.get()
+
+    def insert(
+        self, table: dict, key: tuple, adj: CompactAdjacency, refs=(), digest=None
+    ) -> _Entry:
+        entry = table[key] = _Entry(adj, list(refs), digest)
+        return entry
 
     def prune(self) -> None:
         """Drop entries whose source storage or adjacency is gone."""
@@ -411,11 +439,15 @@ def _cache_of(ctl) -> AdjacencyCache:
     return cache
 
 
-def _identity_key(t: Tensor | None) -> tuple[tuple, list[StorageWeakRef]] | None:
-    """(key, weak refs) naming exactly this view of this storage at this version; None when
-    the tensor has no inspectable storage."""
+def _identity_key(
+    t: Tensor | None,
+) -> tuple[tuple, list[StorageWeakRef], list[Tensor]] | None:
+    """(key, weak refs, parts) naming exactly this view of this storage at this version, with
+    the plain tensors it is made of (a sparse matrix's indices and values); None when the
+    tensor has no inspectable storage. The version counter misses writes that bypass it (a
+    NumPy array behind `torch.from_numpy`, ``.data``): `_digest` of the parts covers those."""
     if t is None:
-        return ("none",), []
+        return ("none",), [], []
     if is_torch_sparse(t) or is_sparse_tensor(t):
         if is_sparse_tensor(t):  # its CSR: rowptr (built once, cached on it), col, value
             parts, comps = ["SparseTensor", tuple(t.sizes())], t.csr()
@@ -427,20 +459,46 @@ def _identity_key(t: Tensor | None) -> tuple[tuple, list[StorageWeakRef]] | None
         else:
             parts = [str(t.layout), tuple(t.shape)]
             comps = (t.ccol_indices(), t.row_indices(), t.values())
-        refs = []
+        refs, tensors = [], []
         for c in comps:
             sub = _identity_key(c)
             if sub is None:
                 return None
             parts.append(sub[0])
             refs += sub[1]
-        return tuple(parts), refs
+            tensors += sub[2]
+        return tuple(parts), refs, tensors
     t = _plain(t)
     if t.layout != torch.strided or t.device.type == "meta":
         return None
     ref = StorageWeakRef(t.untyped_storage())
     key = (ref.cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-    return key, [ref]
+    return key, [ref], [t]
+
+
+def _digest(parts: list[Tensor]) -> Tensor | None:
+    """The `_hash_pair` of every part, on their device (one pass over each; no host sync)."""
+    if not parts:
+        return None
+    return torch.cat([_hash_pair(p) for p in parts])
+
+
+def _unchanged(digest: Tensor | None, before: Tensor | None) -> bool:
+    """Whether two digests agree. Deciding which adjacency serves the forward is the host's
+    work: on a GPU this reads one flag back, the check's only sync."""
+    if digest is None or before is None:
+        return digest is None and before is None
+    if digest.shape != before.shape or digest.device != before.device:
+        return False
+    return bool(torch.equal(digest, before))
+
+
+def _forward_token(ctl) -> int | None:
+    """The training forward now running (its inputs are checked once in it), or None (eval,
+    ``no_grad``, outside a forward: every call checks)."""
+    if not getattr(ctl, "compressing", False):
+        return None
+    return getattr(ctl, "_forward_id", None)
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -453,9 +511,27 @@ def _plain(t: Tensor) -> Tensor:
     return t.as_subclass(torch.Tensor)
 
 
-def _content_key(t: Tensor | None) -> tuple:
+def _dtypes(t: Any) -> tuple:
+    """The dtypes of what a graph input is made of (part of its content key: a uint8 and an
+    int64 edge index of equal values are two entries)."""
+    if t is None:
+        return ()
+    if is_sparse_tensor(t):
+        value = t.storage.value()
+        return ("SparseTensor", None if value is None else value.dtype)
+    if is_torch_sparse(t):
+        values = t._values() if t.layout == torch.sparse_coo else t.values()
+        return ("sparse", values.dtype)  # COO and CSR of one matrix: one content key
+    return (t.dtype,)
+
+
+def _content_key(t: Tensor | None, pair: list[int] | None = None) -> tuple:
+    """``t``'s content key; ``pair``: its `_hash_pair`, already made and read (a plain
+    tensor)."""
     if t is None:
         return ("none",)
+    if pair is not None:
+        return _hash_key(t, pair)
     if is_sparse_tensor(t):
         rowptr, col, value = t.csr()
         sizes = tuple(t.sizes())
@@ -679,6 +755,9 @@ def _build(
             )  # fmt: skip
             return _from_torch_csr(csr, num_nodes)
         weight = None if external else edge_weight
+        graph = _plain(graph)
+        if graph.dtype not in _INDEX_DTYPES:  # uint8/int8/int16 (see _check_index_dtype)
+            graph = graph.long()
         # on the sort keys, without copies of the edge list (see _from_edge_list)
         if normalize and not external:
             gcn = (improved, add_self_loops, dtype)
@@ -761,6 +840,8 @@ def get_adjacency(
         )
     if sparse_input:
         edge_weight = None
+    else:
+        _check_index_dtype(edge_index_or_adj.dtype, add_self_loops, edge_weight)
     external = edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled()
     opts = (
         int(num_nodes), bool(add_self_loops), normalize, bool(improved), float(fill_value),
@@ -775,21 +856,42 @@ def get_adjacency(
         )  # fmt: skip
     cache = _cache_of(ctl)
 
-    # 1) identity: same storages, views and versions as a graph seen before.
+    # 1) identity: same storages, views and versions as a graph seen before, and (once per
+    #    training forward) the same content: a write that bypasses the version counter (a
+    #    NumPy buffer behind torch.from_numpy, ``.data``) changes the digest, not the key.
     id_graph = _identity_key(edge_index_or_adj)
     id_weight = _identity_key(None if external else edge_weight)
-    id_key = None
+    id_key = digest = None
+    token = _forward_token(ctl)
     if id_graph is not None and id_weight is not None:
         id_key = (opts, id_graph[0], id_weight[0])
-        adj = cache.lookup(cache._by_identity, id_key)
-        if adj is not None:
-            cache.hits += 1
-            cache.touch(adj)
-            return adj
+        entry = cache.entry(cache._by_identity, id_key)
+        if entry is not None:
+            adj = entry.get()
+            if token is None or entry.checked_in != token:
+                digest = _digest(id_graph[2] + id_weight[2])
+                if not _unchanged(digest, entry.digest):
+                    adj = None  # rewritten in place: found or built by content below
+            if adj is not None:
+                entry.checked_in = token
+                cache.hits += 1
+                cache.touch(adj)
+                return adj
 
     # 2) content: equal values arriving as other tensors (copy, view, COO vs CSR).
     cache.prune()
-    c_key = (opts, _content_key(edge_index_or_adj), _content_key(None if external else edge_weight))
+    graph_pair = weight_pair = None
+    if id_key is not None and _is_plain(edge_index_or_adj) and _is_plain(edge_weight, external):
+        # the identity entry's digest is the content key's hash: one pass, one read to the host
+        if digest is None:
+            digest = _digest(id_graph[2] + id_weight[2])
+        host = digest.tolist()
+        graph_pair, weight_pair = host[:2], (host[2:] if len(host) > 2 else None)
+    c_key = (
+        opts, _dtypes(edge_index_or_adj), _dtypes(None if external else edge_weight),
+        _content_key(edge_index_or_adj, graph_pair),
+        _content_key(None if external else edge_weight, weight_pair),
+    )  # fmt: skip
     adj = cache.lookup(cache._by_content, c_key)
     if adj is None:
         with once_per_graph():  # later steps with this graph find it cached
@@ -816,9 +918,39 @@ def get_adjacency(
     else:
         cache.hits += 1
     if id_key is not None:
-        cache.insert(cache._by_identity, id_key, adj, id_graph[1] + id_weight[1])
+        if digest is None:
+            digest = _digest(id_graph[2] + id_weight[2])
+        entry = cache.insert(cache._by_identity, id_key, adj, id_graph[1] + id_weight[1], digest)
+        entry.checked_in = token
     cache.touch(adj)
     return adj
+
+
+def _is_plain(t: Tensor | None, external: bool = False) -> bool:
+    """A plain (strided) tensor, or no tensor: its content key is its one `_hash_pair`."""
+    return external or t is None or not (is_torch_sparse(t) or is_sparse_tensor(t))
+
+
+#: Integer dtypes PyG's message passing indexes with.
+_INDEX_DTYPES = (torch.int32, torch.int64)
+#: Dtypes stock PyG also takes where it adds self-loops to an unweighted graph: the int64 loop
+#: index concatenated to the edge index promotes it to int64.
+_PROMOTED_DTYPES = (torch.uint8, torch.int8, torch.int16)
+
+
+def _check_index_dtype(dtype: torch.dtype, add_self_loops: bool, edge_weight) -> None:
+    """Refuse, with the fix, an edge index dtype that stock PyG would fail on (or misread: a
+    weighted uint8 index is taken for a boolean mask there)."""
+    if dtype in _INDEX_DTYPES:
+        return
+    if dtype in _PROMOTED_DTYPES and add_self_loops and edge_weight is None:
+        return  # built from its int64 values, as PyG promotes it
+    raise TypeError(
+        f"edge_index of dtype {dtype} is not supported here: PyG's message passing indexes "
+        "with int64 or int32 (a uint8, int8 or int16 index works in stock PyG only where it "
+        "adds self-loops to an unweighted graph, which promotes the index to int64); pass "
+        "edge_index.long()"
+    )
 
 
 def differentiable_edge_weight(

@@ -213,9 +213,12 @@ def test_content_cache_shares_copies_views_and_formats():
     a = get_adjacency(ctl, ei, n, **kw)
     strided = torch.empty(ei.size(1), 2, dtype=torch.long).copy_(ei.t()).t()  # other strides
     expanded = ei[:, None, :].expand(2, 3, -1)[:, 1, :]  # a view of an expanded tensor
-    for other in (ei.clone(), strided, expanded, ei.to(torch.int32)):
+    for other in (ei.clone(), strided, expanded):
         assert get_adjacency(ctl, other, n, **kw) is a
     assert ctl._gg_adjacency_cache.builds == 1
+    # another dtype is another content key (built once more), then the same CSR: one object
+    assert get_adjacency(ctl, ei.to(torch.int32), n, **kw) is a
+    assert ctl._gg_adjacency_cache.builds == 2
     # the same matrix as COO and as CSR: one adjacency
     coo = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), torch.ones(ei.size(1)), (n, n))
     s1 = get_adjacency(ctl, coo.coalesce(), n, add_self_loops=False)
@@ -260,6 +263,7 @@ def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
 
     seen = []
     for owner, name in ((adjacency, "_build"), (adjacency, "content_hash"),
+                        (adjacency, "_hash_pair"),
                         (adjacency.CompactAdjacency, "_build_transpose")):  # fmt: skip
         real = getattr(owner, name)
 
@@ -277,8 +281,9 @@ def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
     seen.clear()
     assert get_adjacency(ctl, ei, n, add_self_loops=False) is adj  # identity hit
     assert get_adjacency(ctl, ei.clone(), n, add_self_loops=False) is adj  # content hit
-    # only the new tensor's hash, outside: it recurs when a loop makes new tensors each step
-    assert seen and all(s == ("content_hash", False) for s in seen)
+    # only the inputs' hashes (the content check of the same tensors, the content key of the
+    # new one), outside: they recur when a loop makes new tensors each step
+    assert seen and all(s == ("_hash_pair", False) for s in seen)
     seen.clear()
     adj.transpose()
     adj.transpose()
