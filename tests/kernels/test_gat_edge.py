@@ -346,19 +346,22 @@ def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch
     the recomputation saves its own softmax statistics and redraws the same dropout seed (the
     checkpoint restores the RNG), so its gradient stays as close to L1's as quantization
     allows. (Statistics kept from the forward would not match the recomputed logits.)"""
+    from gact_graph.models import GAT
     from gact_graph.sparse import gat as sgat
     from tests.policy.test_levels import _graph as levels_graph
-    from tests.policy.test_levels import _make, _rel, _step
+    from tests.policy.test_levels import _rel, _step
 
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
     calls = count_calls(monkeypatch, "gat_edge_forward")
-    x, ei = levels_graph(n=12, f=8, e=30)
-    model = _make("gat", f=8).to(DEVICE)
+    x, ei = levels_graph(n=10, f=8, e=24)
+    torch.manual_seed(0)
+    model = GAT(8, 6, 3, num_layers=2, heads=1, dropout=0.5, attn_dropout=0.3,
+                batch_norm=True).to(DEVICE).train()  # fmt: skip
     x, ei = x.to(DEVICE), ei.to(DEVICE)
     l1, _, _, _ = _step(model, x, ei, bits=8)
-    assert calls == [1] * 3  # every layer ran on the kernels
+    assert calls == [1] * 2  # every layer ran on the kernels
     cb1, _, _, counters = _step(model, x, ei, bits=8, opt_level="CB1")
-    assert counters["recomputed_tensors"] > 0 and len(calls) > 6
+    assert counters["recomputed_tensors"] > 0 and len(calls) > 4
     assert _rel(cb1, l1) < 0.05
 
 
@@ -542,6 +545,50 @@ def test_cuda_patched_layer_steady_state_makes_no_host_sync(conv_name, request, 
     assert len(calls) == 3  # every call ran on the kernels
 
 
+# ---------------------------------------------------------------------------- compiled
+_POINTERS = {
+    "rowptr_ptr": "*i64", "t_rowptr_ptr": "*i64", "seed_ptr": "*i64", "col_ptr": "*i32",
+    "t_col_ptr": "*i32", "t_pos_ptr": "*i32", "keep_ptr": "*i8",
+}  # fmt: skip
+_CONSTANTS = {"ROWS": 2, "BLOCK_E": 16, "BLOCK_C": 128, "BLOCK": 128}
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="interpreted kernels / no Triton")
+@pytest.mark.parametrize(
+    "name",
+    ["_gat_edge_fwd_kernel", "_gat_edge_bwd_dst_kernel", "_gat_edge_bwd_src_kernel",
+     "_gatv2_edge_fwd_kernel", "_gatv2_edge_bwd_dst_kernel", "_gatv2_edge_bwd_src_kernel",
+     "_gat_edge_keep_kernel"],
+)  # fmt: skip
+def test_kernels_compile_for_hopper_without_a_gpu(name):
+    """The interpreter runs what Triton would refuse to compile (it checks neither types nor
+    layouts): compile each kernel for sm_90 (Triton's own toolchain, no GPU needed), with
+    every feature switched on and bf16 features."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(ge, name)
+    signature, constants = {}, {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constants[param.name] = _CONSTANTS.get(param.name, True)
+        elif param.name.endswith("_ptr"):
+            bf16 = param.name in ("x_ptr", "xl_ptr", "xr_ptr", "gx_ptr", "gxl_ptr", "gxr_ptr")
+            signature[param.name] = _POINTERS.get(param.name, "*bf16" if bf16 else "*fp32")
+        elif param.name in ("slope", "p", "drop_scale"):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32"
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except (ImportError, FileNotFoundError) as err:  # no NVIDIA backend / ptxas shipped
+        pytest.skip(f"no CUDA toolchain in this Triton: {err}")
+    assert compiled.asm["cubin"]
+
+
 # ---------------------------------------------------------------------------- interpreter
 def _subprocess_env(**extra: str) -> dict:
     env = dict(os.environ, **extra)
@@ -552,7 +599,7 @@ def _subprocess_env(**extra: str) -> dict:
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "not subprocess and not cuda", "-W", "ignore::RuntimeWarning"]
+    cmd += ["-k", "not subprocess and not cuda and not compile", "-W", "ignore::RuntimeWarning"]
     env = _subprocess_env(TRITON_INTERPRET="1")
     res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
