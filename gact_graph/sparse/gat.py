@@ -739,10 +739,10 @@ def gatv2_attention_fused(
 
 
 def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(t_rowptr, t_col, t_pos)`` of a cached adjacency, all cached on it (built on a graph's
-    first step; ``t_pos`` only when dropout needs the CSR positions)."""
-    at = adj.transpose()
-    return at.rowptr, at.col, adj.transpose_positions() if dropout > 0 else None
+    """``(t_rowptr, t_col, t_pos)`` of a cached adjacency (`CompactAdjacency.walk_transpose`,
+    built on a graph's first step; ``t_pos`` passed only when dropout needs it)."""
+    t_rowptr, t_col, t_pos = adj.walk_transpose()
+    return t_rowptr, t_col, t_pos if dropout > 0 else None
 
 
 # ---------------------------------------------------------------------------- GATv2
