@@ -56,13 +56,14 @@ adjacency, but its backward is nonlinear in them: quantizing them biases its gra
 them more bits). Both backwards are differentiable once: a ``create_graph=True`` backward
 raises at once, naming the settings that support it (`differentiable_once`).
 
-**Two implementations of GAT's edge stage.** `GatAttentionFunction` is plain PyTorch, edge
-chunk by edge chunk: the CPU path and the reference. `GatFusedFunction` runs the fused Triton
-kernels of `gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online
-softmax; backward one pass over the rows and one over the transpose's rows, no atomics, no
-edge-level tensor at all) and saves the softmax's per-(node, head) max and sum, kept lossless,
-instead of recomputing them. The patched `GATConv` takes the kernels on CUDA tensors
-(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stage elsewhere. The kernels draw
+**Two implementations of each edge stage.** `GatAttentionFunction` and
+`GatV2AttentionFunction` are plain PyTorch, edge chunk by edge chunk: the CPU path and the
+reference. `GatFusedFunction` and `GatV2FusedFunction` run the fused Triton kernels of
+`gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online softmax;
+backward one pass over the rows and one over the transpose's rows, no atomics, no edge-level
+tensor at all) and save the softmax's per-(node, head) max and sum, kept lossless, instead of
+recomputing them. The patched `GATConv` and `GATv2Conv` take the kernels on CUDA tensors
+(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stages elsewhere. The kernels draw
 attention dropout themselves (Philox, from a seed tensor drawn on the device's generator, so
 no host sync), which cannot equal stock's bits: in lossless mode (``bits=None``) a layer with
 attention dropout in training keeps the chunked stage and stock's draw; compressed modes use
