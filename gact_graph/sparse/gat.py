@@ -1074,7 +1074,10 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
         ctl.keep_lossless(a_dst, "activation")
 
     p = float(module.dropout) if module.training else 0.0
-    adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops, module.dropout)
+    adj = _get_adjacency(
+        ctl, edge_index, x_src.size(0), module.add_self_loops,
+        _stock_draw(ctl, module, x_src, a_src),
+    )  # fmt: skip
     if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.bits is None):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gat_attention_fused(
@@ -1118,10 +1121,14 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
     else:
         x_r = module.lin_r(x_d).view(-1, heads, channels)
 
-    adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
+    same_dtype = x_r.dtype == x_l.dtype
+    adj = _get_adjacency(
+        ctl, edge_index, x_l.size(0), module.add_self_loops,
+        module.dropout > 0 and (not same_dtype or _stock_draw(ctl, module, x_l, module.att)),
+    )  # fmt: skip
     p = float(module.dropout) if module.training else 0.0
     lossless = ctl.config.bits is None
-    if x_r.dtype == x_l.dtype and fused_kernel_applies(x_l, module.att, p, lossless):
+    if same_dtype and fused_kernel_applies(x_l, module.att, p, lossless):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gatv2_attention_fused(
             x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
@@ -1171,11 +1178,20 @@ def patch_gatv2_conv(ctl, path: str, module) -> None:
     install_forward(ctl, path, module, forward)
 
 
-def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, dropout: float):
-    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop). With
-    # attention dropout, ``perm`` puts the mask in PyG's edge order; asked for in eval mode
-    # too, so that train and eval share one cached adjacency.
+def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, stock_draw: bool):
+    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop). Where
+    # the chunked stage draws attention dropout stock's way (``stock_draw``), ``perm`` puts the
+    # mask in PyG's edge order; asked for in eval mode too, so that train and eval share one
+    # cached adjacency. The fused kernels draw in CSR order and need no ``perm`` (4 bytes per
+    # edge).
     return get_adjacency(
         ctl, edge_index, num_nodes, add_self_loops=add_self_loops, normalize=False,
-        loop_mode="replace", keep_perm=dropout > 0,
+        loop_mode="replace", keep_perm=stock_draw,
     )  # fmt: skip
+
+
+def _stock_draw(ctl, module, x: Tensor, logits: Tensor) -> bool:
+    """Whether ``module``'s attention dropout, in training, is drawn stock's way (on the
+    chunked stage: `fused_kernel_applies` says no)."""
+    p = float(module.dropout)
+    return p > 0 and not fused_kernel_applies(x, logits, p, lossless=ctl.config.bits is None)

@@ -259,7 +259,14 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     conv = GATConv(6, 5, heads=2, dropout=0.5).to(DEVICE)
     ctl = compress_gnn(conv, bits=2, min_numel=0)
     conv.train()
+    kept = []
+    get_adjacency = sgat.get_adjacency
+    monkeypatch.setattr(
+        sgat, "get_adjacency",
+        lambda *a, **k: kept.append(k["keep_perm"]) or get_adjacency(*a, **k),
+    )  # fmt: skip
     conv(x, ei).sum().backward()
+    assert kept == [False]  # the kernels draw in CSR order: no stock order kept
     assert all(p.grad is not None and p.grad.isfinite().all() for p in conv.parameters())
     # only the projection is quantized: the node logits and the softmax statistics are not
     quantized = [r["shape"] for r in ctl.stats()["tensors"] if r["bits"]]
