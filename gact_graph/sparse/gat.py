@@ -1078,7 +1078,7 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
         ctl, edge_index, x_src.size(0), module.add_self_loops,
         _stock_draw(ctl, module, x_src, a_src),
     )  # fmt: skip
-    if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.bits is None):
+    if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.lossless):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gat_attention_fused(
             x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p,
@@ -1127,7 +1127,7 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
         module.dropout > 0 and (not same_dtype or _stock_draw(ctl, module, x_l, module.att)),
     )  # fmt: skip
     p = float(module.dropout) if module.training else 0.0
-    lossless = ctl.config.bits is None
+    lossless = ctl.config.lossless
     if same_dtype and fused_kernel_applies(x_l, module.att, p, lossless):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gatv2_attention_fused(
@@ -1194,4 +1194,4 @@ def _stock_draw(ctl, module, x: Tensor, logits: Tensor) -> bool:
     """Whether ``module``'s attention dropout, in training, is drawn stock's way (on the
     chunked stage: `fused_kernel_applies` says no)."""
     p = float(module.dropout)
-    return p > 0 and not fused_kernel_applies(x, logits, p, lossless=ctl.config.bits is None)
+    return p > 0 and not fused_kernel_applies(x, logits, p, lossless=ctl.config.lossless)
