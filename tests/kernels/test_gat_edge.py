@@ -1,8 +1,9 @@
 """Fused GAT / GATv2 edge-stage kernels (`gact_graph.kernels.gat_edge`) against their references:
 values and every gradient, dropout on and off (the kernels' own mask, materialized by
 `gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one huge-degree
-row, H = 1 and 8, C not a power of two; and the patched `GATConv` on the kernels against the
-chunked PyTorch stage.
+row, H = 1 and 8, C not a power of two; the patched `GATConv` / `GATv2Conv` on the kernels
+against the chunked PyTorch stage (and under CB1's recomputation); every kernel compiled for
+sm_90 without a GPU; on CUDA, a 70,000-node graph and no host sync in a steady-state step.
 
 Without CUDA the kernel tests run in Triton's CPU interpreter, which has to be switched on
 (``TRITON_INTERPRET=1``) before Triton is imported; the conftest's imports (PyG) import Triton
