@@ -323,8 +323,9 @@ def test_gatv2_matches_reference(kind, heads, channels, p, same):
 
 
 @needs_kernels
-def test_gatv2_half_and_blocking():
-    check_v2_against_reference("huge_row", 2, 6, torch.bfloat16, config=(32, 3, 4))
+@pytest.mark.parametrize("dtype, config", [(torch.bfloat16, (32, 3, 4)), (torch.float16, None)])
+def test_gatv2_half_and_blocking(dtype, config):
+    check_v2_against_reference("huge_row", 2, 6, dtype, config=config)
 
 
 @needs_kernels
