@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/bench_gat_edge.py --json out.json          # CUDA, arxiv size
     python benchmarks/bench_gat_edge.py --op gatv2 --dropout 0.1  # GATv2, with dropout
+    python benchmarks/bench_gat_edge.py --dataset synthetic-ogbn-arxiv  # heavy-tailed degrees
     python benchmarks/bench_gat_edge.py --dry-run                  # CPU, a tiny graph
     TRITON_INTERPRET=1 python benchmarks/bench_gat_edge.py --dry-run   # + the kernels, interpreted
 """
@@ -43,19 +44,29 @@ from gact_graph.sparse import gat as sgat  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_graph(num_nodes: int, num_edges: int, device: torch.device, seed: int = 0):
-    """Random edges, both directions, plus one self-loop per node: ``(edge_index, rowptr,
-    col)`` (the edge list in PyG's order, the destination-sorted CSR)."""
-    g = torch.Generator().manual_seed(seed)
-    ei = torch.randint(0, num_nodes, (2, num_edges), generator=g)
-    ei = ei[:, ei[0] != ei[1]]
+def make_graph(num_nodes: int, num_edges: int, device: torch.device, seed: int = 0,
+               dataset: str | None = None):  # fmt: skip
+    """Random edges in both directions (or ``dataset``'s edges, e.g. ``synthetic-ogbn-arxiv``:
+    heavy-tailed degrees), plus one self-loop per node: ``(edge_index, rowptr, col, num_nodes)``
+    (the edge list in PyG's order, the destination-sorted CSR)."""
+    if dataset is not None:  # (its edge list holds both directions already)
+        from gact_graph.datasets import load_dataset
+
+        data = load_dataset(dataset)
+        ei, num_nodes = data.edge_index, data.num_nodes
+        ei = ei[:, ei[0] != ei[1]]
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ei = torch.randint(0, num_nodes, (2, num_edges), generator=g)
+        ei = ei[:, ei[0] != ei[1]]
+        ei = torch.cat([ei, ei.flip(0)], 1)
     loops = torch.arange(num_nodes).expand(2, -1)
-    ei = torch.cat([ei, ei.flip(0), loops], 1)
+    ei = torch.cat([ei, loops], 1)
     dst, order = ei[1].sort(stable=True)
     rowptr = torch.zeros(num_nodes + 1, dtype=torch.long)
     rowptr[1:] = torch.bincount(dst, minlength=num_nodes).cumsum(0)
     col = ei[0, order].to(torch.int32)
-    return ei.to(device), rowptr.to(device), col.to(device)
+    return ei.to(device), rowptr.to(device), col.to(device), num_nodes
 
 
 def stock_edge_stage(x, a_src, a_dst, edge_index, slope: float, p: float):
@@ -102,8 +113,8 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple[float, int | None]:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    ei, rowptr, col = make_graph(args.nodes, args.edges, device)
-    n, h, c = args.nodes, args.heads, args.channels
+    ei, rowptr, col, n = make_graph(args.nodes, args.edges, device, dataset=args.dataset)
+    h, c = args.heads, args.channels
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, h, c, generator=g).to(device, dtype).requires_grad_()
     a_src = torch.randn(n, h, generator=g).to(device).requires_grad_()
@@ -156,8 +167,11 @@ def run(args: argparse.Namespace) -> dict:
     for r in rows:
         r["vs_stock"] = r["ms"] / base
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    max_degree = int((rowptr[1:] - rowptr[:-1]).max()) if n else 0
     return {
         "op": args.op,
+        "graph": args.dataset or "random",
+        "max_in_degree": max_degree,
         "device": device_name,
         "nodes": n,
         "edges_with_loops": int(col.numel()),
@@ -172,8 +186,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def format_table(res: dict) -> str:
     lines = [
-        f"{res['op'].upper()} edge stage fwd+bwd on {res['device']}: {res['nodes']:,} nodes, "
-        f"{res['edges_with_loops']:,} edges, H={res['heads']}, C={res['channels']}, "
+        f"{res['op'].upper()} edge stage fwd+bwd on {res['device']}: {res['graph']} graph, "
+        f"{res['nodes']:,} nodes, {res['edges_with_loops']:,} edges (max in-degree "
+        f"{res['max_in_degree']:,}), H={res['heads']}, C={res['channels']}, "
         f"{res['dtype']}, dropout {res['dropout']}; triton {res['triton']}",
         f"{'variant':<12} {'fwd+bwd ms':>10} {'vs stock':>9} {'fwd ms':>9} {'peak MiB':>9}",
     ]
@@ -193,6 +208,10 @@ def main() -> None:
     ap.add_argument("--op", choices=["gat", "gatv2"], default="gat")
     ap.add_argument("--nodes", type=int, default=169_343)
     ap.add_argument("--edges", type=int, default=1_166_243, help="before both directions")
+    ap.add_argument(
+        "--dataset", default=None,
+        help="take this dataset's edges instead of random ones, e.g. synthetic-ogbn-arxiv",
+    )  # fmt: skip
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--channels", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

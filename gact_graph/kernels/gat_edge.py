@@ -518,11 +518,12 @@ def degree_bucket(num_edges: int, num_rows: int) -> int:
 
 
 def _candidates(bucket: int) -> list[tuple[int, int, int]]:
-    """Blockings worth timing for a mean degree ``bucket``: no block four times wider than
-    the mean row (mostly padding), the default first."""
+    """Blockings worth timing for a mean degree ``bucket``, the default first: no block four
+    times wider than the mean row (mostly padding), and at most four in all (each one timed
+    is one more compilation in the first steps)."""
     default = (max(16, min(64, triton.next_power_of_2(bucket))), 1, 4)
     rest = [c for c in _CANDIDATES if c != default and c[0] <= max(16, 4 * bucket)]
-    return [default] + rest
+    return [default] + rest[:3]
 
 
 def _blocking(key: tuple, bucket: int, run, device: torch.device, config=None, rows=True):

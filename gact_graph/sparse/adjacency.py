@@ -130,7 +130,7 @@ class CompactAdjacency:
         self.perm = perm
         self.weight_is_external = weight_is_external
         self._transpose: CompactAdjacency | None = None
-        self._transpose_positions: tuple[Tensor | None] | None = None  # see transpose_positions
+        self._walk: tuple[Tensor, Tensor, Tensor | None] | None = None  # see walk_transpose
         self._symmetric = False  # A^T == A: transpose() is self (a flag, not a ref cycle)
         self._symmetric_identity = False  # ... and A^T lists the edges in the same order
         self._ctl_ref: weakref.ref | None = None
@@ -150,9 +150,8 @@ class CompactAdjacency:
         out = [t for t in (self.rowptr, self.col, self.weight, self.perm) if t is not None]
         if with_transpose and self._transpose is not None:
             out += self._transpose.tensors(with_transpose=False)
-        pos = self._transpose_positions[0] if self._transpose_positions else None
-        if with_transpose and pos is not None and not any(t is pos for t in out):
-            out.append(pos)  # (the transpose's own perm when it kept one)
+        if with_transpose and self._walk is not None:  # each tensor once (some are shared)
+            out += [t for t in self._walk if t is not None and not any(t is u for u in out)]
         return out
 
     @property
@@ -250,20 +249,36 @@ class CompactAdjacency:
             return None if self._symmetric_identity else torch.argsort(self.col, stable=True)
         return at.perm if at.perm is not None else torch.argsort(self.col, stable=True)
 
-    def transpose_positions(self) -> Tensor | None:
-        """`transpose_perm` made once and cached on this object (int32 where the edges fit), for
-        kernels that walk the transpose every step and need each edge's CSR position (the
-        fused attention's in-kernel dropout): None when the orders agree."""
-        if self._transpose_positions is None:
+    def walk_transpose(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(rowptr, col, positions)`` of A^T for kernels that walk its rows every step (the
+        fused attention's backward): its row pointers and columns, which are this adjacency's
+        own tensors when A is symmetric (no copy, whether or not `transpose` keeps one for
+        per-call weights), and each of its edges' position in this CSR order (int32 where the
+        edges fit; None when the orders agree), which in-kernel per-edge randomness needs.
+        Built once and cached on this object; a transpose built before is reused."""
+        if self._walk is None:
             with once_per_graph():  # cached on this object: later steps reuse it
-                pos = self.transpose_perm()
-                if pos is not None:
-                    pos = pos.to(_index_dtype(pos.numel()))
-                self._transpose_positions = (pos,)
+                self._walk = self._build_walk()
             ctl = self._ctl_ref() if self._ctl_ref is not None else None
-            if ctl is not None and pos is not None:
-                ctl.keep_lossless(pos, "index")
-        return self._transpose_positions[0]
+            if ctl is not None:
+                for t in self._walk:
+                    if t is not None:
+                        ctl.keep_lossless(t, "index")
+        return self._walk
+
+    def _build_walk(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self._symmetric or self._transpose is not None:
+            at = self.transpose()
+            pos = self.transpose_perm()
+            return at.rowptr, at.col, None if pos is None else pos.to(_index_dtype(pos.numel()))
+        t_perm = torch.argsort(self.col, stable=True)
+        t_rowptr = _rowptr_from_sorted_counts(torch.bincount(self.col, minlength=self.num_nodes),
+                                              self.num_nodes)  # fmt: skip
+        t_col = self.dst_index()[t_perm].to(self.col.dtype)
+        if torch.equal(t_rowptr, self.rowptr) and torch.equal(t_col, self.col):
+            t_rowptr, t_col = self.rowptr, self.col
+        pos = None if torch.equal(t_perm, _arange_like(t_perm)) else t_perm
+        return t_rowptr, t_col, None if pos is None else pos.to(_index_dtype(pos.numel()))
 
     def to_torch_csr(self, values: Tensor | None = None, dtype: torch.dtype | None = None):
         """A `torch.sparse_csr_tensor` view for `torch.sparse.mm` (indices converted to one

@@ -56,13 +56,14 @@ adjacency, but its backward is nonlinear in them: quantizing them biases its gra
 them more bits). Both backwards are differentiable once: a ``create_graph=True`` backward
 raises at once, naming the settings that support it (`differentiable_once`).
 
-**Two implementations of GAT's edge stage.** `GatAttentionFunction` is plain PyTorch, edge
-chunk by edge chunk: the CPU path and the reference. `GatFusedFunction` runs the fused Triton
-kernels of `gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online
-softmax; backward one pass over the rows and one over the transpose's rows, no atomics, no
-edge-level tensor at all) and saves the softmax's per-(node, head) max and sum, kept lossless,
-instead of recomputing them. The patched `GATConv` takes the kernels on CUDA tensors
-(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stage elsewhere. The kernels draw
+**Two implementations of each edge stage.** `GatAttentionFunction` and
+`GatV2AttentionFunction` are plain PyTorch, edge chunk by edge chunk: the CPU path and the
+reference. `GatFusedFunction` and `GatV2FusedFunction` run the fused Triton kernels of
+`gact_graph.kernels.gat_edge` (one pass over the CSR rows forward with an online softmax;
+backward one pass over the rows and one over the transpose's rows, no atomics, no edge-level
+tensor at all) and save the softmax's per-(node, head) max and sum, kept lossless, instead of
+recomputing them. The patched `GATConv` and `GATv2Conv` take the kernels on CUDA tensors
+(`fused_kernel_applies`, `EDGE_KERNEL`), the chunked stages elsewhere. The kernels draw
 attention dropout themselves (Philox, from a seed tensor drawn on the device's generator, so
 no host sync), which cannot equal stock's bits: in lossless mode (``bits=None``) a layer with
 attention dropout in training keeps the chunked stage and stock's draw; compressed modes use
@@ -739,10 +740,10 @@ def gatv2_attention_fused(
 
 
 def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(t_rowptr, t_col, t_pos)`` of a cached adjacency, all cached on it (built on a graph's
-    first step; ``t_pos`` only when dropout needs the CSR positions)."""
-    at = adj.transpose()
-    return at.rowptr, at.col, adj.transpose_positions() if dropout > 0 else None
+    """``(t_rowptr, t_col, t_pos)`` of a cached adjacency (`CompactAdjacency.walk_transpose`,
+    built on a graph's first step; ``t_pos`` passed only when dropout needs it)."""
+    t_rowptr, t_col, t_pos = adj.walk_transpose()
+    return t_rowptr, t_col, t_pos if dropout > 0 else None
 
 
 # ---------------------------------------------------------------------------- GATv2
@@ -1073,8 +1074,11 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
         ctl.keep_lossless(a_dst, "activation")
 
     p = float(module.dropout) if module.training else 0.0
-    adj = _get_adjacency(ctl, edge_index, x_src.size(0), module.add_self_loops, module.dropout)
-    if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.bits is None):
+    adj = _get_adjacency(
+        ctl, edge_index, x_src.size(0), module.add_self_loops,
+        _stock_draw(ctl, module, x_src, a_src),
+    )  # fmt: skip
+    if fused_kernel_applies(x_src, a_src, p, lossless=ctl.config.lossless):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gat_attention_fused(
             x_src, a_src, a_dst, adj.rowptr, adj.col, module.negative_slope, p,
@@ -1117,10 +1121,14 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
     else:
         x_r = module.lin_r(x_d).view(-1, heads, channels)
 
-    adj = _get_adjacency(ctl, edge_index, x_l.size(0), module.add_self_loops, module.dropout)
+    same_dtype = x_r.dtype == x_l.dtype
+    adj = _get_adjacency(
+        ctl, edge_index, x_l.size(0), module.add_self_loops,
+        module.dropout > 0 and (not same_dtype or _stock_draw(ctl, module, x_l, module.att)),
+    )  # fmt: skip
     p = float(module.dropout) if module.training else 0.0
-    lossless = ctl.config.bits is None
-    if x_r.dtype == x_l.dtype and fused_kernel_applies(x_l, module.att, p, lossless):
+    lossless = ctl.config.lossless
+    if same_dtype and fused_kernel_applies(x_l, module.att, p, lossless):
         keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gatv2_attention_fused(
             x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
@@ -1170,11 +1178,20 @@ def patch_gatv2_conv(ctl, path: str, module) -> None:
     install_forward(ctl, path, module, forward)
 
 
-def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, dropout: float):
-    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop). With
-    # attention dropout, ``perm`` puts the mask in PyG's edge order; asked for in eval mode
-    # too, so that train and eval share one cached adjacency.
+def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, stock_draw: bool):
+    # GATConv / GATv2Conv: remove_self_loops, then add_self_loops (every node one loop). Where
+    # the chunked stage draws attention dropout stock's way (``stock_draw``), ``perm`` puts the
+    # mask in PyG's edge order; asked for in eval mode too, so that train and eval share one
+    # cached adjacency. The fused kernels draw in CSR order and need no ``perm`` (4 bytes per
+    # edge).
     return get_adjacency(
         ctl, edge_index, num_nodes, add_self_loops=add_self_loops, normalize=False,
-        loop_mode="replace", keep_perm=dropout > 0,
+        loop_mode="replace", keep_perm=stock_draw,
     )  # fmt: skip
+
+
+def _stock_draw(ctl, module, x: Tensor, logits: Tensor) -> bool:
+    """Whether ``module``'s attention dropout, in training, is drawn stock's way (on the
+    chunked stage: `fused_kernel_applies` says no)."""
+    p = float(module.dropout)
+    return p > 0 and not fused_kernel_applies(x, logits, p, lossless=ctl.config.lossless)

@@ -503,6 +503,36 @@ def test_fused_kernel_routing(monkeypatch):
         sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_walk_transpose_for_the_kernels(symmetric):
+    """`CompactAdjacency.walk_transpose`: the transpose's rows (the adjacency's own tensors
+    when it is symmetric: no copy) and each transposed edge's CSR position; cached."""
+    from gact_graph.sparse.adjacency import CompactAdjacency
+
+    torch.manual_seed(0)
+    n = 30
+    ei = torch.randint(0, n, (2, 90))
+    if symmetric:
+        ei = torch.cat([ei, ei.flip(0)], 1)
+    ei = ei[:, torch.argsort(ei[1] * n + ei[0])]  # by (destination, source), as the cache's
+    rowptr, col = _csr(ei[0], ei[1], n)
+    adj = CompactAdjacency(n, rowptr, col)
+    before = adj.nbytes
+    t_rowptr, t_col, pos = adj.walk_transpose()
+    assert (t_rowptr is rowptr and t_col is col) == symmetric
+    dst = sgat.csr_destinations(rowptr, col.numel())
+    src_t = sgat.csr_destinations(t_rowptr, t_col.numel())
+    # transposed edge j runs from source src_t[j] to t_col[j]; CSR edge pos[j] is that edge
+    assert torch.equal(col[pos.long()].long(), src_t)
+    assert torch.equal(dst[pos.long()], t_col.long())
+    assert torch.equal(pos.sort().values.long(), torch.arange(col.numel()))
+    assert adj.walk_transpose()[2] is pos  # cached
+    extra = pos.numel() * pos.element_size()
+    if not symmetric:
+        extra += t_rowptr.numel() * 8 + t_col.numel() * t_col.element_size()
+    assert adj.nbytes == before + extra
+
+
 # ---------------------------------------------------------------------------- memory
 
 
