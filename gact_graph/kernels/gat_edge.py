@@ -317,7 +317,7 @@ if triton is not None:
         out_ptr, m_ptr, s_ptr,
         num_rows, H, C, slope, p, drop_scale,
         DROPOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-        BLOCK_C: tl.constexpr,
+        BLOCK_C: tl.constexpr, STATS_ONLY: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         h = tl.program_id(1)
@@ -326,7 +326,7 @@ if triton is not None:
         cmask = offs_c < C
         HC = H * C
         seed = 0
-        if DROPOUT:
+        if DROPOUT and not STATS_ONLY:
             seed = tl.load(seed_ptr)
         att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
         for r in range(ROWS):
@@ -356,16 +356,18 @@ if triton is not None:
                 rescale = tl.exp(m - m_new)
                 ex = tl.exp(logit - m_new)
                 s = s * rescale + tl.sum(ex, 0)
-                w = ex
-                if DROPOUT:
-                    w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
-                acc = acc * rescale + tl.sum(w[:, None] * xl, 0)
+                if not STATS_ONLY:
+                    w = ex
+                    if DROPOUT:
+                        w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                    acc = acc * rescale + tl.sum(w[:, None] * xl, 0)
                 m = m_new
             s = s + 1e-16
-            tl.store(
-                out_ptr + row * HC + h * C + offs_c,
-                (acc / s).to(out_ptr.dtype.element_ty), mask=row_c,
-            )  # fmt: skip
+            if not STATS_ONLY:
+                tl.store(
+                    out_ptr + row * HC + h * C + offs_c,
+                    (acc / s).to(out_ptr.dtype.element_ty), mask=row_c,
+                )  # fmt: skip
             tl.store(m_ptr + row * H + h, m, mask=live)
             tl.store(s_ptr + row * H + h, s, mask=live)
 
@@ -761,33 +763,41 @@ def gatv2_edge_forward(
     seed: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: tuple[int, int, int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    stats_only: bool = False,
+) -> tuple[Tensor | None, Tensor, Tensor]:
     """GATv2's edge stage: ``(out, m, s)`` as `gat_edge_forward`, with the logits
     ``<att[h], leaky_relu(x_l[src, h] + x_r[dst, h])>``; ``x_l`` N_src x H x C (also the
-    message), ``x_r`` N_dst x H x C, ``att`` H x C values (PyG's 1 x H x C)."""
+    message), ``x_r`` N_dst x H x C, ``att`` H x C values (PyG's 1 x H x C). ``stats_only``
+    computes ``m`` and ``s`` alone (``out`` is None): backward's statistics when the saved
+    ``x_l`` / ``x_r`` are not the forward's bits (compressed), so that the coefficients it
+    recomputes from them are a softmax that sums to one."""
     _require_triton()
     _check_v2(x_l, x_r, att, rowptr, col)
     num_dst = rowptr.numel() - 1
     _, heads, channels = x_l.shape
     x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
-    out = torch.empty(num_dst, heads, channels, dtype=out_dtype or x_l.dtype, device=x_l.device)
     m = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
     s = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
+    out = None
+    if not stats_only:
+        out_dtype = out_dtype or x_l.dtype
+        out = torch.empty(num_dst, heads, channels, dtype=out_dtype, device=x_l.device)
     if num_dst == 0 or heads * channels == 0:
-        return out.zero_(), m.fill_(float("-inf")), s.fill_(SOFTMAX_EPS)
+        return (None if out is None else out.zero_()), m.fill_(float("-inf")), s.fill_(SOFTMAX_EPS)
     bucket = degree_bucket(col.numel(), num_dst)
     block_c = triton.next_power_of_2(channels)
 
     def run(cfg):
         block_e, rows, warps = cfg
         _gatv2_edge_fwd_kernel[(triton.cdiv(num_dst, rows), heads)](
-            x_l, x_r, att, rowptr, col, seed_t, out, m, s, num_dst, heads, channels,
-            float(negative_slope), float(dropout), drop_scale, DROPOUT=drop, ROWS=rows,
-            BLOCK_E=block_e, BLOCK_C=block_c, num_warps=warps,
+            x_l, x_r, att, rowptr, col, seed_t, m if out is None else out, m, s, num_dst,
+            heads, channels, float(negative_slope), float(dropout), drop_scale, DROPOUT=drop,
+            ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c, STATS_ONLY=stats_only,
+            num_warps=warps,
         )  # fmt: skip
 
-    key = ("v2_fwd", heads, channels, x_l.dtype, out.dtype, bucket, drop)
+    key = ("v2_fwd", heads, channels, x_l.dtype, out_dtype, bucket, drop, stats_only)
     run(_blocking(key, bucket, run, x_l.device, config))
     return out, m, s
 

@@ -679,13 +679,18 @@ def gat_attention_fused(
 class GatV2FusedFunction(torch.autograd.Function):
     """`GatV2AttentionFunction`'s edge stage on the fused Triton kernels (`GatFusedFunction`'s
     counterpart): ``forward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos,
-    negative_slope, dropout, keep_lossless)``. Saves ``x_l``, ``x_r``, ``att``, the CSR and
-    its transpose, the softmax statistics and the dropout seed; no E x H tensor (the chunked
-    stage keeps its E x H logits)."""
+    negative_slope, dropout, recompute_stats)``. Saves ``x_l``, ``x_r``, ``att``, the CSR and
+    its transpose and the dropout seed; no E x H tensor (the chunked stage keeps its E x H
+    logits). The softmax statistics are saved only where ``x_l`` and ``x_r`` come back
+    bit-exact; with ``recompute_stats`` (a compressing controller, which hands back
+    dequantized features whose logits differ from the forward's) backward recomputes them
+    from what it is handed (one pass over the rows, no aggregation):
+    coefficients from the forward's statistics and the dequantized logits would not sum to
+    one, and in half precision their exponentials overflow."""
 
     @staticmethod
     def forward(ctx, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
-                dropout, keep_lossless):  # fmt: skip
+                dropout, recompute_stats):  # fmt: skip
         from gact_graph.kernels import gat_edge
 
         _check_common(x_l, rowptr, col, dropout, None)
@@ -695,9 +700,8 @@ class GatV2FusedFunction(torch.autograd.Function):
         out, m, s = gat_edge.gatv2_edge_forward(
             x_l, x_r, att, rowptr, col, slope, p, seed, out_dtype=out_dtype
         )
-        if keep_lossless is not None:
-            keep_lossless(m)
-            keep_lossless(s)
+        if recompute_stats:
+            m = s = None
         ctx.save_for_backward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed)
         ctx.negative_slope, ctx.dropout = slope, p
         return out
@@ -708,6 +712,10 @@ class GatV2FusedFunction(torch.autograd.Function):
         from gact_graph.kernels import gat_edge
 
         x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        if m is None:
+            _, m, s = gat_edge.gatv2_edge_forward(
+                x_l, x_r, att, rowptr, col, ctx.negative_slope, stats_only=True
+            )
         grads = gat_edge.gatv2_edge_backward(
             grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
             ctx.negative_slope, ctx.dropout, seed, needs=tuple(ctx.needs_input_grad[:3]),
@@ -724,7 +732,7 @@ def gatv2_attention_fused(
     negative_slope: float = 0.2,
     dropout: float = 0.0,
     transpose: tuple[Tensor, Tensor, Tensor | None] | None = None,
-    keep_lossless=None,
+    recompute_stats: bool = False,
 ) -> Tensor:
     """`GatV2FusedFunction.apply` with keyword defaults (``transpose`` as in
     `gat_attention_fused`)."""
@@ -735,7 +743,7 @@ def gatv2_attention_fused(
     t_rowptr, t_col, t_pos = transpose
     return GatV2FusedFunction.apply(
         x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
-        keep_lossless,
+        recompute_stats,
     )  # fmt: skip
 
 
@@ -1129,10 +1137,10 @@ def _gatv2_fused_forward(ctl, module, x, edge_index) -> Tensor:
     p = float(module.dropout) if module.training else 0.0
     lossless = ctl.config.lossless
     if same_dtype and fused_kernel_applies(x_l, module.att, p, lossless):
-        keep = (lambda t: ctl.keep_lossless(t, "activation")) if torch.is_grad_enabled() else None
         out = gatv2_attention_fused(
             x_l, x_r, module.att, adj.rowptr, adj.col, module.negative_slope, p,
-            transpose=_adjacency_transpose(adj, p), keep_lossless=keep,
+            transpose=_adjacency_transpose(adj, p),
+            recompute_stats=torch.is_grad_enabled() and not lossless,
         )  # fmt: skip
     else:
         out = gatv2_attention(

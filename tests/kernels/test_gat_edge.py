@@ -329,6 +329,55 @@ def test_gatv2_half_and_blocking(dtype, config):
 
 
 @needs_kernels
+def test_gatv2_stats_only_equals_the_forwards_statistics():
+    rowptr, col, n = graph("huge_row")
+    g = torch.Generator().manual_seed(5)
+    x_l, x_r = (torch.randn(n, 2, 6, generator=g).to(DEVICE) for _ in range(2))
+    att = torch.randn(1, 2, 6, generator=g).to(DEVICE)
+    out, m, s = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2)
+    none, m2, s2 = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, stats_only=True)
+    assert none is None
+    torch.testing.assert_close(m2, m, rtol=0, atol=0)
+    torch.testing.assert_close(s2, s, rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
+    """A compressing controller hands backward other features than the forward's (here: the
+    pack hook adds noise, as rounding does). With ``recompute_stats`` the gradients are those
+    of the edge stage at the features handed back: a softmax that sums to one there."""
+    from gact_graph.sparse import gat as sgat
+
+    rowptr, col, n = graph("huge_row")
+    g = torch.Generator().manual_seed(6)
+    x_l, x_r = (torch.randn(n, 2, 6, generator=g).to(DEVICE, dtype) for _ in range(2))
+    att = torch.randn(1, 2, 6, generator=g).to(DEVICE)
+    noise = {id(t): (torch.randn(t.shape, generator=g) * 0.5).to(DEVICE, dtype)
+             for t in (x_l, x_r)}  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (x_l, x_r, att)]
+    noisy = {}
+
+    def pack(t):
+        for leaf, orig in zip(leaves[:2], (x_l, x_r)):
+            if t is leaf:
+                noisy[id(orig)] = t.detach() + noise[id(orig)]
+                return noisy[id(orig)]
+        return t
+
+    grad_out = torch.randn(n, 2, 6, generator=g).to(DEVICE)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, recompute_stats=True)
+    out.float().backward(grad_out)
+    assert len(noisy) == 2, "the test's pack hook saw neither feature tensor"
+    at = [noisy[id(x_l)].float().requires_grad_(), noisy[id(x_r)].float().requires_grad_(),
+          att.detach().clone().requires_grad_()]  # fmt: skip
+    ge.gatv2_edge_reference(*at, rowptr, col, 0.2, 0.0, None).backward(grad_out)
+    for name, leaf, want in zip(("x_l", "x_r", "att"), leaves, at):
+        assert_close(leaf.grad, want.grad, TOL[dtype] * 2, f"grad {name}")
+
+
+@needs_kernels
 def test_patched_gatv2conv_on_kernels_matches_chunked(monkeypatch):
     from torch_geometric.nn import GATv2Conv
 
