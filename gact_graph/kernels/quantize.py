@@ -338,6 +338,8 @@ if triton is not None:
 #: bytes or more.
 CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (2048, 4, 8), (8192, 4, 4), (16384, 8, 8))
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
+#: tensors with fewer (padded) elements than this never tune
+TUNE_MIN_ELEMS = 1 << 20
 #: padded sizes from which the quantizer keys its RNG per element (offsets past 2**32); a test
 #: lowers it to run that path on small tensors
 WIDE_FROM = 1 << 32
@@ -412,7 +414,9 @@ def _launch(
     key = (kind, bits, g)
     cfg = _TUNED.get(key)
     if cfg is None:
-        if not _autotune_enabled(device):
+        # a small tensor's timings say little (launch overhead): it runs the default and the
+        # first large tensor of this width tunes
+        if not _autotune_enabled(device) or ng * g < TUNE_MIN_ELEMS:
             cfg = CONFIGS[0]
         else:
             cfg = _tune(go, device)
