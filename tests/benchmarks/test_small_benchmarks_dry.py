@@ -35,3 +35,22 @@ def test_small_graph_epoch_dry(tmp_path):
     assert set(rows) == {"stock", "default", "default-min_bytes0"}
     assert all(r["error"] is None and len(r["epoch_times_s"]) == 3 for r in rows.values())
     assert rows["stock"]["ratio_to_stock"] == 1.0
+
+
+def test_bench_quantize_sass_counts_instructions_without_a_gpu():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (its bundled ptxas and nvdisasm)")
+    cmd = [sys.executable, "benchmarks/bench_quantize.py", "--sass", "--bits", "2"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| quantize") or
+            ln.startswith("| dequantize")]  # fmt: skip
+    assert len(rows) == 4
+    for ln in rows:
+        per_element = float(ln.split("|")[4])
+        assert 0 < per_element < 60, ln  # the one-pass kernels; the old quantizer took 128
+        assert "v4" in ln, ln  # vectorized 16-byte accesses on the unpacked side
