@@ -335,8 +335,8 @@ if triton is not None:
 #: ``(elements per program, warps, threads per group)`` tried by the lazy autotuner; the first
 #: is the default. Fewer threads per group make its range cheaper (fewer shuffles, metadata
 #: computed by fewer threads); each memory instruction of a warp still reads 128 contiguous
-#: bytes or more.
-CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (2048, 4, 8), (8192, 4, 4), (16384, 8, 8))
+#: bytes or more. Few entries: each one is a compilation the first time a width is used.
+CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (8192, 4, 4))
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
 #: tensors with fewer (padded) elements than this never tune
 TUNE_MIN_ELEMS = 1 << 20
