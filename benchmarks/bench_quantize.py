@@ -172,7 +172,7 @@ def sass_report(bits_list, group_size: int = 256) -> str:
                 if kind == "dequantize":
                     sig["out_ptr"] = "*i16" if tname == "bf16" else "*fp32"
                 cx = {"BITS": bits, "G": group_size, "GROUPS": groups, "H": h, "T": t, "V": v,
-                      "DENSE": True, "PARTIAL": False}  # fmt: skip
+                      "DENSE": True, "PARTIAL": False, "SPLIT": True}  # fmt: skip
                 if kind == "quantize":
                     cx["WIDE"] = False
                 else:
