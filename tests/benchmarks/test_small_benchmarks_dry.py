@@ -2,6 +2,7 @@
 (the lead runs them on a GPU; a broken flag or import must fail here first)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(script: str, *args: str) -> None:
     cmd = [sys.executable, f"benchmarks/{script}", *args]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
