@@ -15,6 +15,12 @@ Usage::
     python benchmarks/bench_quantize.py --device cuda               # (169343, 256), fp32 + bf16
     python benchmarks/bench_quantize.py --device cpu --threads 1 --json out.json  # (16384, 256)
     python benchmarks/bench_quantize.py --dry                       # a few seconds on a CPU
+    python benchmarks/bench_quantize.py --sass                      # no GPU needed, see below
+
+``--sass`` compiles the kernels for sm_90 (H100/H200) with Triton's bundled ``ptxas``, without a
+GPU, and prints the SASS instructions each thread executes per element of a dense 256-wide
+tensor, with the vector width of the loads and stores: the kernels' arithmetic cost, which
+bounds their bandwidth when it exceeds what the memory system needs.
 """
 
 from __future__ import annotations
@@ -130,6 +136,68 @@ def format_table(res: dict) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def sass_report(bits_list, group_size: int = 256) -> str:
+    """SASS instructions per element of the quantize / dequantize kernels (sm_90, no GPU)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gact_graph.kernels import quantize as kq
+
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    aligned = [["tt.divisibility", 16]]
+    ints = ("numel", "R", "C", "stride_r", "stride_c", "num_groups", "group0", "n", "k", "W")
+    lines = [
+        "| kernel | dtype | bits | SASS / element | loads | stores |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    elems, warps, threads = kq.CONFIGS[0]
+    for kind in ("quantize", "dequantize"):
+        fn = kq._quantize_pack_kernel if kind == "quantize" else kq._unpack_dequantize_kernel
+        for dtype, tname, size in (("float32", "fp32", 4), ("bfloat16", "bf16", 2)):
+            for bits in bits_list:
+                h, t, v = kq.tile_shape(group_size, bits, size, threads)
+                groups = max(1, elems // (h * t * v))
+                sig = {}
+                for name in fn.arg_names:
+                    if name in ints or name == "key":
+                        sig[name] = "i32"
+                    elif name == "inv_levels":
+                        sig[name] = "fp32"
+                sig.update({"x_ptr": f"*{tname}", "packed_ptr": "*u8", "meta_ptr": "*i32"})
+                if kind == "dequantize":
+                    sig["out_ptr"] = "*i16" if tname == "bf16" else "*fp32"
+                cx = {"BITS": bits, "G": group_size, "GROUPS": groups, "H": h, "T": t, "V": v,
+                      "DENSE": True, "PARTIAL": False, "SPLIT": True}  # fmt: skip
+                if kind == "quantize":
+                    cx["WIDE"] = False
+                else:
+                    cx.update(OUT_BF16=tname == "bf16", OUT_FP16=False)
+                sig = {k: sig[k] for k in fn.arg_names if k in sig}
+                sig.update(dict.fromkeys(cx, "constexpr"))
+                src = ASTSource(fn=fn, signature=sig, constexprs=cx,
+                                attrs={(i,): aligned for i in range(3)})  # fmt: skip
+                opts = {"num_warps": warps, "enable_fp_fusion": False}
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(k.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
+                                          text=True, check=True).stdout  # fmt: skip
+                n = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln))
+                per_thread = groups * h * t * v / (32 * warps)
+                ptx = k.asm["ptx"]
+                ld = sorted(set(re.findall(r"ld\.global(?:\.v\d)?\.b\d+", ptx)))
+                st = sorted(set(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx)))
+                lines.append(f"| {kind} | {dtype} | {bits} | {n / per_thread:.1f} "
+                             f"| {' '.join(ld)} | {' '.join(st)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -139,6 +207,7 @@ def main() -> None:
     p.add_argument("--bits", type=int, nargs="+", default=list(SUPPORTED_BITS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--dry", action="store_true", help="tiny CPU run: checks the script works")
+    p.add_argument("--sass", action="store_true", help="SASS instructions per element (no GPU)")
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=None, help="default 50 (cuda) / 7 (cpu)")
     p.add_argument("--warmup", type=int, default=2)
@@ -147,6 +216,9 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sass:
+        print(sass_report(args.bits, args.group_size))
+        return
     if args.dry:
         args.device, args.rows, args.numel, args.repeats, args.warmup = "cpu", 512, None, 2, 1
     cuda = args.device.startswith("cuda")

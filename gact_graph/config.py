@@ -33,6 +33,8 @@ PLAN_BITS = (*FIXED_BITS, 32)
 #: Any other keyword is a mistake (a misspelled argument) and raises.
 EXTRA_OPTIONS = {
     "max_graphs": "sparse: graphs whose adjacency stays cached (default 4)",
+    "min_bytes": "float tensors under this many bytes are kept as they are (default: 1 MiB on "
+    "CUDA, 0 elsewhere; not applied under memory_budget, whose planner decides every tensor)",
     "chunk_bytes": "sparse: workspace of chunked SpMM and attention",
     "swap_min_bytes": "L2: smallest payload that is swapped to host memory",
     "swap_simulate": "L2: run the swap bookkeeping with plain copies (CPU)",

@@ -45,6 +45,12 @@ __all__ = ["Controller", "Stored", "mix_seed"]
 
 _MASK64 = (1 << 64) - 1
 
+#: On CUDA a float tensor smaller than this is kept as it is (the ``min_bytes`` option overrides
+#: it, on any device): quantizing it costs launches and Python in the pack and the unpack, a
+#: fixed cost that a small graph's step pays per saved tensor, for less than a mebibyte saved
+#: (see docs/design.md, "Small tensors on the GPU").
+CUDA_MIN_BYTES = 1 << 20
+
 #: module -> the live controller compressing it (weakly on both sides): a module shared by two
 #: models must not be patched twice
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -191,6 +197,11 @@ class Controller:
         self._live: list[weakref.ref] = []
         self._removed = False
         self._warned_range: set[str] = set()
+        min_bytes = self.config.extra.get("min_bytes")
+        if min_bytes is not None and (
+            isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
+        ):
+            raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
 
         if self.config.opt_level != "L0":
             self._install()
@@ -494,7 +505,7 @@ class Controller:
         if not t.is_floating_point():
             return Stored(name, "index", t, None, nbytes, nbytes, t._version)
         bits = self.bits_for(name)
-        if bits is None or bits >= 32 or t.numel() < self.config.min_numel:
+        if bits is None or bits >= 32 or t.numel() < self.config.min_numel or self._too_small(t):
             return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
         if exceeds_fp32_range(t):  # would come back NaN: keep it, and say so once
             if name not in self._warned_range:
@@ -510,6 +521,16 @@ class Controller:
         )
         q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
         return Stored(name, "activation", q, bits, nbytes, q.nbytes)
+
+    def _too_small(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is below ``min_bytes`` (default `CUDA_MIN_BYTES` on CUDA, 0 elsewhere).
+        A memory-budget policy decides every tensor itself, so it is never overridden."""
+        if self.bits_policy is not None:
+            return False
+        limit = self.config.extra.get("min_bytes")
+        if limit is None:
+            limit = CUDA_MIN_BYTES if t.is_cuda else 0
+        return t.numel() * t.element_size() < limit
 
     @staticmethod
     def _unpack(stored: Stored) -> torch.Tensor:

@@ -224,7 +224,8 @@ def quantize(x: Tensor, bits: int, group_size: int = 256, seed: int | None = Non
         )
     layout = group_layout(x.shape, group_size)
     if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        # from the CPU generator (never a device tensor, whatever the default device): no sync
+        seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item())
     seed = int(seed)
     from gact_graph.kernels import quantize as kq
 

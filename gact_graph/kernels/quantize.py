@@ -112,13 +112,15 @@ if triton is not None:
 
     @triton.jit
     def _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W, G: tl.constexpr,
-                  BLOCK: tl.constexpr, DENSE: tl.constexpr, PARTIAL: tl.constexpr):  # fmt: skip
+                  BLOCK: tl.constexpr, DENSE: tl.constexpr, PARTIAL: tl.constexpr,
+                  SPLIT: tl.constexpr):  # fmt: skip
         """Element offsets into the ``(R, C)`` view (strided) of positions ``pos`` of groups
         ``grp``, and which of them are real elements.
 
         ``DENSE``: group ``i`` is the flat range ``[i * G, (i + 1) * G)`` of a contiguous
         tensor (no padding inside it; ``PARTIAL``: the last group may end early), so the
-        offsets are affine in ``pos`` and the loads and stores vectorize.
+        offsets are affine in ``pos`` and the loads and stores vectorize. ``SPLIT``: groups
+        split rows (one row per group), so no position needs dividing by the row width.
         """
         if DENSE:
             offs = grp[None, :, None, None] * G + pos
@@ -128,6 +130,16 @@ if triton is not None:
             if PARTIAL:
                 valid = valid & (offs < numel)
             out_offs = offs
+        elif SPLIT:
+            rb = grp // n
+            j = grp - rb * n
+            r = rb[None, :, None, None]
+            c = j[None, :, None, None] * G + pos
+            valid = live[None, :, None, None] & (c < C)
+            if BLOCK != G:
+                valid = valid & (pos < G)
+            offs = r * stride_r + c * stride_c
+            out_offs = r * C + c
         else:
             rb = grp // n
             j = grp - rb * n
@@ -175,6 +187,7 @@ if triton is not None:
         V: tl.constexpr,
         DENSE: tl.constexpr,
         PARTIAL: tl.constexpr,
+        SPLIT: tl.constexpr,
         WIDE: tl.constexpr,
     ):
         """One program quantizes ``GROUPS`` groups: each element is read once, the group's
@@ -186,7 +199,7 @@ if triton is not None:
         ELEM_MASK: tl.constexpr = (not DENSE) or PARTIAL or BLOCK != G
         grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
         offs, _, valid = _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W,
-                                   G, BLOCK, DENSE, PARTIAL)  # fmt: skip
+                                   G, BLOCK, DENSE, PARTIAL, SPLIT)  # fmt: skip
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
 
         # Group range, NaN-propagating (a NaN makes the group non-finite, as an Inf does).
@@ -282,6 +295,7 @@ if triton is not None:
         V: tl.constexpr,
         DENSE: tl.constexpr,
         PARTIAL: tl.constexpr,
+        SPLIT: tl.constexpr,
         OUT_BF16: tl.constexpr,
         OUT_FP16: tl.constexpr,
     ):
@@ -293,7 +307,7 @@ if triton is not None:
         BPG: tl.constexpr = G * BITS // 8
         grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
         _, offs, valid = _elements(grp, live, pos, numel, R, C, C, 1, n, k, W,
-                                   G, BLOCK, DENSE, PARTIAL)  # fmt: skip
+                                   G, BLOCK, DENSE, PARTIAL, SPLIT)  # fmt: skip
         b = _byte_index(H, T, V, P)
         bmask = live[None, :, None, None]
         if BLOCK != G:
@@ -335,9 +349,11 @@ if triton is not None:
 #: ``(elements per program, warps, threads per group)`` tried by the lazy autotuner; the first
 #: is the default. Fewer threads per group make its range cheaper (fewer shuffles, metadata
 #: computed by fewer threads); each memory instruction of a warp still reads 128 contiguous
-#: bytes or more.
-CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (2048, 4, 8), (8192, 4, 4), (16384, 8, 8))
+#: bytes or more. Few entries: each one is a compilation the first time a width is used.
+CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (8192, 4, 4))
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
+#: tensors with fewer (padded) elements than this never tune
+TUNE_MIN_ELEMS = 1 << 20
 #: padded sizes from which the quantizer keys its RNG per element (offsets past 2**32); a test
 #: lowers it to run that path on small tensors
 WIDE_FROM = 1 << 32
@@ -412,7 +428,9 @@ def _launch(
     key = (kind, bits, g)
     cfg = _TUNED.get(key)
     if cfg is None:
-        if not _autotune_enabled(device):
+        # a small tensor's timings say little (launch overhead): it runs the default and the
+        # first large tensor of this width tunes
+        if not _autotune_enabled(device) or ng * g < TUNE_MIN_ELEMS:
             cfg = CONFIGS[0]
         else:
             cfg = _tune(go, device)
@@ -486,6 +504,7 @@ def triton_quantize(
                 V=tile[2],
                 DENSE=dense,
                 PARTIAL=partial,
+                SPLIT=layout.rows_per_group == 1,
                 WIDE=wide,
                 num_warps=warps,
                 enable_fp_fusion=False,  # t + u must round after t = (x - lo) * inv
@@ -534,6 +553,7 @@ def triton_dequantize(
                 V=tile[2],
                 DENSE=dense,
                 PARTIAL=partial,
+                SPLIT=layout.rows_per_group == 1,
                 OUT_BF16=dtype == torch.bfloat16,
                 OUT_FP16=dtype == torch.float16,
                 num_warps=warps,

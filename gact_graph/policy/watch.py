@@ -8,7 +8,8 @@ gradients are non-finite in several steps of one window (a single non-finite ste
 AMP's ``GradScaler`` produces and skips on purpose).
 
 Cost: one fused norm over the parameters' gradients per step, kept on the device; the values
-are read (one host-device sync) once every ``every`` steps.
+are read once every ``every`` steps, on CUDA through an asynchronous copy to pinned host memory
+that is looked at in a later step, once it has landed (no step waits for the device).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class GradientWatch:
         self.pending: list[torch.Tensor] = []
         self.history: list[float] = []
         self.warned = False
+        #: (pinned host copy, event recorded after it, step of its last norm) while in flight
+        self._copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
 
     def after_step(self, ctl) -> None:
         grads = [p.grad for p in ctl.model.parameters() if p.grad is not None]
@@ -47,13 +50,35 @@ class GradientWatch:
         self.pending.append(
             torch.linalg.vector_norm(torch.stack([n.float().to(dev) for n in norms]))
         )
-        if len(self.pending) >= self.every:
+        if len(self.pending) >= self.every or self._copy is not None:
             self._check(ctl)
 
+    def _read(self, ctl) -> tuple[list[float], int] | None:
+        """The recorded norms and the step of the last one, without waiting for the device. On
+        CUDA the first call starts a copy to pinned host memory and returns None; a later call
+        returns the values once the copy has landed (norms recorded meanwhile wait for the
+        next read)."""
+        if self._copy is None:
+            values = torch.stack(self.pending)
+            self.pending.clear()
+            if values.device.type != "cuda":
+                return values.tolist(), ctl.step
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._copy = (host, done, ctl.step)
+        host, done, last_step = self._copy
+        if not done.query():
+            return None
+        self._copy = None
+        return host.tolist(), last_step
+
     def _check(self, ctl) -> None:
-        values = torch.stack(self.pending).tolist()
-        self.pending.clear()
-        last_step = ctl.step
+        read = self._read(ctl)
+        if read is None:
+            return
+        values, last_step = read
         bad = [v for v in values if not math.isfinite(v)]
         if len(bad) >= self.nonfinite:
             self._warn(ctl, f"gradients were non-finite in {len(bad)} of the last "

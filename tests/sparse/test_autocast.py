@@ -201,7 +201,8 @@ def _train(model, x, graph, edge_weight, y, device, dtype, bits=2, steps=10, lr=
     """Losses of ``steps`` Adam steps under autocast (``bits=None``: uncompressed stock), the
     controller's stats of the last step and its module paths. fp16 uses a GradScaler, as fp16
     training does."""
-    ctl = None if bits is None else compress_gnn(model, bits=bits, adaptive=False)
+    # min_bytes=0: these tensors are small, and CUDA would keep them as they are by default
+    ctl = None if bits is None else compress_gnn(model, bits=bits, adaptive=False, min_bytes=0)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
     losses = []

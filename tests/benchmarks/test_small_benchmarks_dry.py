@@ -1,0 +1,57 @@
+"""The GPU benchmarks of the quantizer and the small-graph epoch run in their CPU dry modes
+(the lead runs them on a GPU; a broken flag or import must fail here first)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> None:
+    cmd = [sys.executable, f"benchmarks/{script}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_bench_quantize_dry(tmp_path):
+    out = tmp_path / "q.json"
+    _run("bench_quantize.py", "--dry", "--bits", "1", "2", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert {(r["dtype"], r["bits"]) for r in res["rows"]} == {
+        (d, b) for d in ("float32", "bfloat16") for b in (1, 2)
+    }
+    for r in res["rows"]:
+        assert r["quantize_pct_copy_bw"] > 0 and r["dequantize_pct_copy_bw"] > 0
+
+
+def test_small_graph_epoch_dry(tmp_path):
+    out = tmp_path / "e.json"
+    _run("small_graph_epoch.py", "--dry", "--models", "gcn", "--json", str(out))
+    res = json.loads(out.read_text())
+    rows = {r["method"]: r for r in res["results"]}
+    assert set(rows) == {"stock", "default", "default-min_bytes0"}
+    assert all(r["error"] is None and len(r["epoch_times_s"]) == 3 for r in rows.values())
+    assert rows["stock"]["ratio_to_stock"] == 1.0
+
+
+def test_bench_quantize_sass_counts_instructions_without_a_gpu():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (its bundled ptxas and nvdisasm)")
+    cmd = [sys.executable, "benchmarks/bench_quantize.py", "--sass", "--bits", "2"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| quantize") or
+            ln.startswith("| dequantize")]  # fmt: skip
+    assert len(rows) == 4
+    for ln in rows:
+        per_element = float(ln.split("|")[4])
+        assert 0 < per_element < 60, ln  # the one-pass kernels; the old quantizer took 128
+        assert "v4" in ln, ln  # vectorized 16-byte accesses on the unpacked side
