@@ -677,6 +677,43 @@ class Adapter:
             "train_seconds": self.train_seconds,
         }
 
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        """Raise a ``TypeError``/``ValueError`` naming what is wrong with an adapter state
+        (``Controller.load_state_dict`` calls it before it changes anything)."""
+        where = "gact_graph state_dict: adapter"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where} state must be a dict, got {state!r}")
+        missing = sorted({"tensors", "c", "n_estimates", "interval", "next_estimate"} - set(state))
+        if missing:
+            raise ValueError(f"{where} state lacks {missing} (not a state of Adapter.state_dict())")
+        tensors = state["tensors"]
+        if not isinstance(tensors, dict):
+            raise TypeError(f"{where} tensors must be a dict, got {tensors!r}")
+        for name, entry in tensors.items():
+            ok = isinstance(entry, (list, tuple)) and len(entry) == 3
+            shape, d, meta = entry if ok else (None, None, None)
+            ok = ok and isinstance(shape, (list, tuple)) and all(_is_count(n) for n in shape)
+            if not (ok and _is_count(d) and _is_count(meta)):
+                raise ValueError(
+                    f"{where} tensor {name!r} is {entry!r}; each entry is [shape, elements, "
+                    "metadata bytes] with non-negative ints"
+                )
+        c = state["c"]
+        if not isinstance(c, dict):
+            raise TypeError(f"{where} c must be a dict of sensitivities, got {c!r}")
+        for name, v in c.items():
+            if not _is_number(v) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where} sensitivity of {name!r} is {v!r}; finite and >= 0")
+        for key, least in (("n_estimates", 0), ("interval", 1), ("next_estimate", 0)):
+            v = state[key]
+            if not _is_count(v) or v < least:
+                raise ValueError(f"{where} {key} must be an int >= {least}, got {v!r}")
+        for key in ("last_share", "probe_seconds", "train_seconds"):
+            v = state.get(key)
+            if v is not None and not _is_number(v):
+                raise ValueError(f"{where} {key} must be a number, got {v!r}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tensors = {n: (tuple(s), int(d), int(m)) for n, (s, d, m) in state["tensors"].items()}
         self.c = {n: float(v) for n, v in state["c"].items()}
@@ -692,6 +729,14 @@ class Adapter:
         if self._probe is not None and ctl is not None and self.next_estimate > ctl.step:
             self._probe.close()
             self._probe = None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 #: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads (each
