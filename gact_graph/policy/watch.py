@@ -13,11 +13,13 @@ what ``compress_gnn(..., on_divergence=...)`` says:
 - ``"warn"``: one warning with advice, nothing changed.
 - ``"raise"``: :class:`DivergenceError` from ``ctl.iterate()``.
 
-Diverging means, in a read of the recorded norms: the median of ``recent`` consecutive steps.
-norms is more than ``growth`` times the median of the ``window`` steps before them (a median,
-so that one spike that recovers the next step is no divergence), or the gradients were
-non-finite in ``nonfinite`` steps of the read (a single non-finite step is what AMP's
-``GradScaler`` produces and skips on purpose).
+Diverging means: the median of ``recent`` consecutive steps' norms is more than ``growth``
+times the median of the ``window`` steps before them (a median, so that a spike that recovers
+the next step is no divergence) and at least half the highest such median seen before (a
+converged run whose tiny gradients grow tenfold in a loss bump is not diverging either); or the
+gradients were non-finite in ``nonfinite`` of the last 10 steps (a single non-finite step is
+what AMP's ``GradScaler`` produces and skips on purpose). After a rescue, the median doubling
+over the level it had reached means the rescue did not hold, and the next rung follows.
 
 Cost: one fused norm over the parameters' gradients per step, kept on the device; the values
 are read once every ``every`` steps (every step on CPU, where reading costs nothing; every 5
@@ -45,6 +47,9 @@ _ACGC_TIGHTEN = 16.0
 
 #: steps over which non-finite gradients are counted
 _NONFINITE_SPAN = 10
+#: growth counts only up to at least this share of the highest level (median of ``recent``
+#: steps) the run had reached before
+_PEAK_SHARE = 0.5
 #: after a rescue, how far over the level it had reached the norm may grow before the next one
 _AGAIN = 2.0
 
@@ -74,8 +79,8 @@ class GradientWatch:
         self,
         every: int | None = None,
         window: int = 50,
-        growth: float = 8.0,
-        recent: int = 3,
+        growth: float = 4.0,
+        recent: int = 5,
         nonfinite: int = 3,
         action: str = "rescue",
     ) -> None:
@@ -86,6 +91,7 @@ class GradientWatch:
         self.pending: list[torch.Tensor] = []
         self.history: list[float] = []
         self.finite: list[bool] = []  # of the last _NONFINITE_SPAN steps
+        self.peak = 0.0  # the highest median of ``recent`` steps seen
         #: after a rescue, for a window of steps: the level the norm had reached, which it
         #: may not exceed ``_AGAIN`` times (0: no rescue in force)
         self.floor = 0.0
@@ -146,16 +152,19 @@ class GradientWatch:
                     f"raised ({now / self.floor:.1f}x by step {step})",
                 )
                 return
-            if len(ref) >= self.window // 5 and len(self.history) > k:
-                base = statistics.median(ref)
-                if base > 0 and now > self.growth * base:
-                    self._diverging(
-                        ctl,
-                        f"the gradient norm grew {now / base:.0f}x over the "
-                        f"median of the {len(ref)} steps before step "
-                        f"{step - k + 1}",
-                    )
-                    return
+            grown = len(ref) >= self.window // 5 and len(self.history) > k
+            base = statistics.median(ref) if grown else 0.0
+            peak, self.peak = self.peak, max(self.peak, now)
+            # growth to a level the run has been at before is no divergence: a converged run's
+            # tiny norms grow tenfold in one loss bump and are still far below its first steps'
+            if grown and base > 0 and now > self.growth * base and now > _PEAK_SHARE * peak:
+                self._diverging(
+                    ctl,
+                    f"the gradient norm grew {now / base:.0f}x over the "
+                    f"median of the {len(ref)} steps before step "
+                    f"{step - k + 1}",
+                )
+                return
         del self.history[: -self.window - self.recent]
 
     # ---------------------------------------------------------------- actions
@@ -276,6 +285,7 @@ class GradientWatch:
             "avg_bits": self.avg_bits,
             "loss_bound": self.loss_bound,
             "floor": self.floor,
+            "peak": self.peak,
             "done": self.done,
             "events": [dict(e) for e in self.events],
         }
@@ -286,6 +296,7 @@ class GradientWatch:
         self.avg_bits = state.get("avg_bits")
         self.loss_bound = state.get("loss_bound")
         self.floor = float(state.get("floor", 0.0))
+        self.peak = float(state.get("peak", 0.0))
         self.done = bool(state.get("done", False))
         self.events = [dict(e) for e in state.get("events", [])]
         self._apply(ctl, replan=False)
@@ -301,7 +312,7 @@ class GradientWatch:
                 f"gact_graph state_dict: watch bits_floor must be one of {_RUNGS} "
                 f"or None, got {floor!r}"
             )
-        for key in ("avg_bits", "loss_bound", "floor"):
+        for key in ("avg_bits", "loss_bound", "floor", "peak"):
             v = state.get(key)
             if v is not None and (
                 isinstance(v, bool)
