@@ -11,6 +11,7 @@ __all__ = [
     "DOUBLE_BACKWARD_HELP",
     "EXTRA_OPTIONS",
     "FIXED_BITS",
+    "ON_DIVERGENCE",
     "OPT_LEVELS",
     "PLAN_BITS",
     "format_bytes",
@@ -50,10 +51,15 @@ EXTRA_OPTIONS = {
     "budget_rectify": "memory_budget: re-plan when a planned step's measured peak exceeds the "
     "budget ('auto', the default: on CUDA, and on CPU when MALLOC_MMAP_THRESHOLD_ is set; "
     "True; False)",
+    "on_divergence": "watch: what a compressed run the gradient watch sees diverging gets: "
+    "'rescue' (the default: its bits are raised, with a warning), 'warn' (a warning only) or "
+    "'raise' (gact_graph.policy.watch.DivergenceError from ctl.iterate())",
     "budget_recompute": "memory_budget: when to measure recomputing segments ('auto', the "
     "default: in a second profile step, only when no plan without it fits; True: in the first; "
     "False: never)",
 }
+#: What ``on_divergence`` may say (`gact_graph.policy.watch`).
+ON_DIVERGENCE = ("rescue", "warn", "raise")
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.
 OPT_LEVELS = ("L0", "L1", "L2", "CB1")
@@ -93,6 +99,8 @@ def parse_bytes(value: int | str) -> int:
                 f"memory_budget {value!r} is not a size: use bytes (int) or a number with one of "
                 f"{sorted(_BYTE_UNITS, key=_BYTE_UNITS.get)} (case-insensitive), e.g. '16GiB'"
             )
+        if number in (float("inf"), float("-inf")):
+            raise ValueError(f"memory_budget {value!r} is not a finite size")
         n = int(number * _BYTE_UNITS[unit])
     else:
         raise TypeError(
@@ -184,6 +192,9 @@ class CompressionConfig:
                 f"compress_gnn() got unexpected keyword argument(s) {said}; the options are "
                 f"the named arguments and {sorted(EXTRA_OPTIONS)}"
             )
+        action = self.extra.get("on_divergence", "rescue")
+        if not isinstance(action, str) or action not in ON_DIVERGENCE:
+            raise ValueError(f"on_divergence must be one of {ON_DIVERGENCE}, got {action!r}")
         if self.bits == 32:
             self.bits = None
         if self.bits is not None:

@@ -45,3 +45,15 @@ def test_every_option_a_layer_reads_is_accepted():
     ctl = compress_gnn(_model(), bits=2, max_graphs=2, ema=0.5, swap_min_bytes=1)
     assert ctl.config.extra == {"max_graphs": 2, "ema": 0.5, "swap_min_bytes": 1}
     ctl.remove()
+
+
+@pytest.mark.parametrize("budget", ["1e400", "-1e400GiB", "1e400 MiB"])
+def test_a_memory_budget_beyond_any_size_is_a_value_error(budget):
+    with pytest.raises(ValueError, match="not a finite size"):
+        compress_gnn(_model(), memory_budget=budget)
+
+
+def test_on_divergence_is_an_option():
+    ctl = compress_gnn(_model(), bits=2, on_divergence="warn")
+    assert ctl.watch.action == "warn" and "on_divergence" in EXTRA_OPTIONS
+    ctl.remove()

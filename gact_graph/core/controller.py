@@ -173,6 +173,11 @@ class Controller:
         self.bits_policy: Callable[[str], int | None] | None = None
         #: ``fn() -> str`` whose lines `report()` appends (the memory-budget plan).
         self.report_extra: list[Callable[[], str]] = []
+        #: the fewest bits a quantized tensor gets outside a memory budget (32: kept exact);
+        #: the gradient watch raises it to rescue a diverging fixed-bit run
+        self.bits_floor: int | None = None
+        #: the gradient watch (`gact_graph.policy.watch`), set by `compress_gnn` when it quantizes
+        self.watch = None
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         #: (module, had an instance ``forward``, that forward) per `patch_forward`, in order
@@ -448,10 +453,17 @@ class Controller:
         if self.bits_policy is not None:  # a policy that decides every tensor (memory budget)
             return self.bits_policy(name)
         if name in self.plan:
-            return self.plan[name]
-        if self.adapter is not None:  # adaptive: tensors the plan does not cover yet
-            return self.adapter.bits_for(name)
-        return None if self.config.adaptive and self.plan else int(round(self.config.bits))
+            bits = self.plan[name]
+        elif self.adapter is not None:  # adaptive: tensors the plan does not cover yet
+            bits = self.adapter.bits_for(name)
+        elif self.config.adaptive and self.plan:
+            bits = None
+        else:
+            bits = int(round(self.config.bits))
+        floor = self.bits_floor
+        if floor is not None and bits is not None and bits < floor:
+            return None if floor >= 32 else floor
+        return bits
 
     def _next_name(self) -> str:
         path = self._module_stack[-1] if self._module_stack else "<root>"
@@ -629,6 +641,10 @@ class Controller:
         return self.adapter.plot(self.plan, path)
 
     # ------------------------------------------------------------------ state
+    #: settings a state's plan and estimates are made for: loading a state saved with other
+    #: values would run its plan instead of what this controller was asked for
+    STATE_SETTINGS = ("bits", "adaptive", "policy", "loss_bound", "group_size")
+
     def state_dict(self) -> dict[str, Any]:
         state = {
             "step": self.step,
@@ -640,16 +656,33 @@ class Controller:
         }
         if self.adapter is not None:
             state["adapter"] = self.adapter.state_dict()
+        if self.watch is not None:
+            state["watch"] = self.watch.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _paths(self) -> set[str]:
+        """Every module path a tensor name may start with (also where nothing is installed,
+        opt level L0)."""
+        return set(self.module_paths) | {n or "<root>" for n, _ in self.model.named_modules()}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Resume from `state_dict()`. Everything is checked before anything changes: a state of
-        another model, a malformed plan or step raises and leaves the controller as it was."""
+        another model, a malformed plan, step or adapter state raises and leaves the controller
+        as it was.
+
+        A state saved with other compression settings (``STATE_SETTINGS``: bits, adaptive,
+        policy, loss_bound, group_size, or the adaptive ladder) is refused with a
+        ``ValueError`` naming each difference (its plan would replace what this controller was
+        asked for). With ``strict=False`` this controller's settings hold: only the step and,
+        where both are adaptive, the sensitivity estimates are loaded, the plan is made anew
+        from them, and a warning says so."""
         if not isinstance(state, dict):
             raise TypeError(f"gact_graph state_dict must be a dict, got {type(state).__name__}")
         missing = {"step", "plan", "config"} - set(state)
         if missing:
             raise KeyError(f"gact_graph state_dict lacks {sorted(missing)}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"gact_graph state_dict: step must be an int >= 0, got {step!r}")
@@ -658,6 +691,13 @@ class Controller:
             raise ValueError(
                 f"gact_graph state_dict was saved for a {state['model']}, not this {model}"
             )
+        saved_cfg = state["config"]
+        if not isinstance(saved_cfg, dict):
+            raise TypeError(
+                "gact_graph state_dict: config must be the dict of the saved CompressionConfig "
+                f"(CompressionConfig.to_dict()), got {saved_cfg!r}"
+            )
+        paths = self._paths()
         plan = state["plan"]
         if not isinstance(plan, dict):
             raise TypeError(f"gact_graph state_dict: plan must be a dict, got {plan!r}")
@@ -667,21 +707,80 @@ class Controller:
                     f"gact_graph state_dict: plan gives tensor {name!r} {bits!r} bits; "
                     f"a plan holds {PLAN_BITS} or None (lossless)"
                 )
-            path = str(name).rpartition("#")[0]
-            if path not in self.module_paths:
-                raise ValueError(
-                    f"gact_graph state_dict: plan names tensor {name!r} of module {path!r}, "
-                    f"which this {model} does not have (a state of another model?)"
-                )
-        saved_cfg = state["config"]
-        for key in ("bits", "adaptive", "group_size"):
-            if saved_cfg.get(key) != getattr(self.config, key):
-                warnings.warn(
-                    f"gact_graph: loading a state saved with {key}={saved_cfg.get(key)!r} into a "
-                    f"controller with {key}={getattr(self.config, key)!r}",
-                    stacklevel=2,
-                )
+            self._check_tensor_name(name, paths, "plan")
+        conflicts = self._conflicts(state)
+        adapter_state = state.get("adapter")
+        load_adapter = self.adapter is not None and adapter_state is not None
+        if load_adapter:
+            self.adapter.check_state(adapter_state)  # raises, naming what is wrong
+            for name in adapter_state["tensors"]:
+                self._check_tensor_name(name, paths, "adapter state")
+        watch_state = state.get("watch")
+        if watch_state is not None and self.watch is not None:
+            self.watch.check_state(watch_state)
+        if conflicts and strict:
+            said = ", ".join(
+                f"{k}={saved!r} (this controller: {now!r})" for k, saved, now in conflicts
+            )
+            raise ValueError(
+                f"gact_graph state_dict was saved with other compression settings: {said}; its "
+                "plan would replace what this controller was asked for. Build the controller "
+                "with the saved settings to resume that run, or call "
+                "load_state_dict(state, strict=False) to keep this controller's settings (the "
+                "step and any sensitivity estimates are loaded, the plan is made anew)"
+            )
         self.step = step
+        if conflicts:  # strict=False: this controller's settings hold
+            self.plan = {}
+            if load_adapter:
+                self.adapter.load_state_dict(adapter_state)
+                if self.adapter.tensors:
+                    self.plan.update(self.adapter.make_plan())
+            now = ", ".join(f"{k}={n!r}" for k, _, n in conflicts)
+            saved = ", ".join(f"{k}={s!r}" for k, s, _ in conflicts)
+            warnings.warn(
+                f"gact_graph: state saved with {saved}; this controller's settings hold "
+                f"({now}): loaded the step"
+                + (
+                    " and the sensitivity estimates, the plan is made from them"
+                    if load_adapter
+                    else ", not the saved plan"
+                ),
+                stacklevel=2,
+            )
+            return
         self.plan = dict(plan)
-        if "adapter" in state and self.adapter is not None:
-            self.adapter.load_state_dict(state["adapter"])
+        if load_adapter:
+            self.adapter.load_state_dict(adapter_state)
+        if watch_state is not None and self.watch is not None:
+            self.watch.load_state_dict(watch_state, self)
+
+    def _check_tensor_name(self, name: Any, paths: set[str], where: str) -> None:
+        if not isinstance(name, str) or "#" not in name:
+            raise ValueError(
+                f"gact_graph state_dict: {where} names a tensor {name!r}; names are "
+                "'<module path>#<index>' strings"
+            )
+        path = name.rpartition("#")[0]
+        if path not in paths:
+            raise ValueError(
+                f"gact_graph state_dict: {where} names tensor {name!r} of module {path!r}, "
+                f"which this {type(self.model).__qualname__} does not have (a state of another "
+                "model?)"
+            )
+
+    def _conflicts(self, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``(setting, saved, this controller's)`` for each setting the state differs in."""
+        saved_cfg = state["config"]
+        out = [
+            (key, saved_cfg[key], getattr(self.config, key))
+            for key in self.STATE_SETTINGS
+            if key in saved_cfg and saved_cfg[key] != getattr(self.config, key)
+        ]
+        # the bits of the saved plan must be ones this controller's adapter may use
+        adapter_state = state.get("adapter")
+        if self.adapter is not None and isinstance(adapter_state, dict):
+            ladder = adapter_state.get("ladder")
+            if ladder is not None and list(ladder) != list(self.adapter.ladder):
+                out.append(("ladder", list(ladder), list(self.adapter.ladder)))
+        return out

@@ -55,6 +55,16 @@ def is_plain_strided(t: torch.Tensor) -> bool:
 
 
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:
+    if torch.compiler.is_compiling():
+        # Dynamo tracing a hook would build the StorageWeakRef itself and drop it half made
+        # (its __del__ then prints "Exception ignored ... _free_weak_ref" for every tensor):
+        # the reference is made eagerly, outside the trace, on the real storage.
+        return _eager_storage_ref(t)
+    return StorageWeakRef(t.untyped_storage())
+
+
+@torch.compiler.disable
+def _eager_storage_ref(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 

@@ -43,6 +43,11 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
         DatasetNotFoundError: a real dataset's files are missing; the message says which files
             to put where.
     """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"load_dataset expects a dataset name (str), got {name!r}; one of "
+            f"{available_datasets()}"
+        )
     key = name.lower()
     if key.startswith("synthetic"):
         from gact_graph.datasets.synthetic import load_synthetic

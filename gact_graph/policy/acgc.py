@@ -45,7 +45,6 @@ ladder's top width and a warning names the smallest ratio the ladder can reach.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -351,14 +350,20 @@ class AcgcAdapter(Adapter):
         )
         return state
 
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        super().check_state(state)
+        for key in ("loss_bound", "grad_var", "plan_variance", "ratio"):
+            v = state.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(
+                    f"gact_graph state_dict: adapter {key} must be a number or None, got {v!r}"
+                )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a state saved with another loss_bound is refused (or, strict=False, announced) by
+        # Controller.load_state_dict, which compares the configs
         super().load_state_dict(state)
-        if "loss_bound" in state and float(state["loss_bound"]) != self.loss_bound:
-            warnings.warn(
-                f"gact_graph: loading an acgc state saved with loss_bound={state['loss_bound']} "
-                f"into a controller with loss_bound={self.loss_bound}",
-                stacklevel=3,
-            )
         g = state.get("grad_var")
         self.grad_var = None if g is None else float(g)
         v = state.get("plan_variance")

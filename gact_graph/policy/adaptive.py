@@ -326,14 +326,22 @@ class Adapter:
     planned elements change width at an estimate), and halves when it is not.
     ``adapt_interval=k`` re-estimates every ``k`` steps.
 
-    **Alert.** At each estimate, the compression variance of the new plan,
+    **Share and alert.** At each estimate, the compression variance of the new plan,
     :math:`V_q = \sum_l c_l S(b_l)`, is compared with what the rest of the gradient holds: the
     probed step measured :math:`E\lVert g \rVert^2 = \lVert \bar g \rVert^2 + V_s + V_q^{old}`
     (signal, sampling/dropout variance, compression variance of the plan it ran with), so the
-    share is :math:`V_q / (E\lVert g\rVert^2 - V_q^{old} + V_q)`. Above ``alert_share``
-    (default 0.5: compression noise larger than signal and sampling noise together) a warning,
-    once, gives the number. Full-batch training has no sampling variance, so the gradient's own
-    squared norm is the scale compared with (GACT Sec. 4.2 compares with the SGD variance).
+    share (``last_share``, ``history``) is :math:`V_q / (E\lVert g\rVert^2 - V_q^{old} + V_q)`.
+    Full-batch training has no sampling variance, so the gradient's own squared norm is the
+    scale compared with (GACT Sec. 4.2 compares with the SGD variance).
+
+    The warning reads another number, ``noise_share``: the compression variance of the plan in
+    force from *this* probe's estimates alone over the same step's measured
+    :math:`E\lVert g\rVert^2`, and fires (once) when it is above ``alert_share`` (default 0.5)
+    at two estimates in a row. The share above uses the EMA of the estimates, which remembers the
+    first steps' large gradients: once a run converges (its gradient falls by 10^5 or more while
+    the EMA only halves per estimate) it read 100 % on healthy runs; and a first estimate that
+    exceeds the measured mean square (``rest`` 0) says the estimate is off, not that the noise
+    dominates. Both numbers of one backward scale together with the gradient.
     """
 
     def __init__(
@@ -375,6 +383,9 @@ class Adapter:
         self.interval = 1 if self.fixed_interval is None else int(self.fixed_interval)
         self.next_estimate = 0  # step whose forward/backward is probed next
         self.last_share: float | None = None
+        #: this probe's compression variance of the plan in force over the measured mean square
+        self.noise_share: float | None = None
+        self._loud = 0  # consecutive estimates with noise_share above alert_share
         self.history: list[dict[str, Any]] = []
         self.warned: set[str] = set()
         self.probe_seconds = 0.0
@@ -491,27 +502,25 @@ class Adapter:
         # probed step measured E|g|^2 = signal + sampling variance + V_q(plan it ran with).
         v_q_old = sum(self.c.get(n, 0.0) * S(old_plan[n]) for n in self.tensors)
         v_q = sum(self.c.get(n, 0.0) * S(plan[n]) for n in self.tensors)
-        share = None
+        share = noise = None
         if grad_sq is not None and grad_sq > 0:
             rest = max(grad_sq - v_q_old, 0.0)
             share = v_q / (rest + v_q) if rest + v_q > 0 else 0.0
             self.last_share = share
-            if share > self.alert_share:
-                # rest == 0: the probed gradient's mean square was no larger than the compression
-                # variance estimated for it, so all that can be said is "(almost) all of it"
-                how = (
-                    f"{share:.1%} of the gradient's mean square (compression variance "
-                    f"{v_q:.3g} vs signal plus sampling variance {rest:.3g})"
-                    if rest > 0
-                    else f"{share:.1%} of the gradient's mean square (the estimated compression "
-                    f"variance {v_q_old:.3g} is not below the measured mean square "
-                    f"{grad_sq:.3g})"
-                )
+            # this probe's own estimates (the EMA's where it measured none) against its step
+            now = {n: est[n] if n in est and n not in bad else self.c.get(n, 0.0) for n in plan}
+            v_now = sum(now[n] * S(plan[n]) for n in plan)
+            noise = self.noise_share = v_now / grad_sq
+            self._loud = self._loud + 1 if noise > self.alert_share else 0
+            if self._loud >= 2:
                 plural = "" if self.avg_bits == 1 else "s"
                 self._warn_once(
                     "alert",
-                    f"gact_graph: activation compression dominates the gradient noise: it is "
-                    f"{how} at an average of {self.avg_bits:g} bit{plural}; raise bits",
+                    f"gact_graph: activation compression dominates the gradient noise: at two "
+                    f"estimates in a row its variance under the plan in force was over "
+                    f"{self.alert_share:.0%} of the gradient's measured mean square ({noise:.1%} "
+                    f"at step {ctl.step}: {v_now:.3g} of {grad_sq:.3g}) at an average of "
+                    f"{self.avg_bits:g} bit{plural}; raise bits",
                     depth=1,
                 )
         stable = self._stable(prev, old_plan, plan)
@@ -525,6 +534,7 @@ class Adapter:
             {
                 "step": ctl.step,
                 "share": share,
+                "noise_share": noise,
                 "v_q": v_q,
                 "grad_sq": grad_sq,
                 "interval": self.interval,
@@ -677,6 +687,43 @@ class Adapter:
             "train_seconds": self.train_seconds,
         }
 
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        """Raise a ``TypeError``/``ValueError`` naming what is wrong with an adapter state
+        (``Controller.load_state_dict`` calls it before it changes anything)."""
+        where = "gact_graph state_dict: adapter"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where} state must be a dict, got {state!r}")
+        missing = sorted({"tensors", "c", "n_estimates", "interval", "next_estimate"} - set(state))
+        if missing:
+            raise ValueError(f"{where} state lacks {missing} (not a state of Adapter.state_dict())")
+        tensors = state["tensors"]
+        if not isinstance(tensors, dict):
+            raise TypeError(f"{where} tensors must be a dict, got {tensors!r}")
+        for name, entry in tensors.items():
+            ok = isinstance(entry, (list, tuple)) and len(entry) == 3
+            shape, d, meta = entry if ok else (None, None, None)
+            ok = ok and isinstance(shape, (list, tuple)) and all(_is_count(n) for n in shape)
+            if not (ok and _is_count(d) and _is_count(meta)):
+                raise ValueError(
+                    f"{where} tensor {name!r} is {entry!r}; each entry is [shape, elements, "
+                    "metadata bytes] with non-negative ints"
+                )
+        c = state["c"]
+        if not isinstance(c, dict):
+            raise TypeError(f"{where} c must be a dict of sensitivities, got {c!r}")
+        for name, v in c.items():
+            if not _is_number(v) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where} sensitivity of {name!r} is {v!r}; finite and >= 0")
+        for key, least in (("n_estimates", 0), ("interval", 1), ("next_estimate", 0)):
+            v = state[key]
+            if not _is_count(v) or v < least:
+                raise ValueError(f"{where} {key} must be an int >= {least}, got {v!r}")
+        for key in ("last_share", "probe_seconds", "train_seconds"):
+            v = state.get(key)
+            if v is not None and not _is_number(v):
+                raise ValueError(f"{where} {key} must be a number, got {v!r}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tensors = {n: (tuple(s), int(d), int(m)) for n, (s, d, m) in state["tensors"].items()}
         self.c = {n: float(v) for n, v in state["c"].items()}
@@ -692,6 +739,14 @@ class Adapter:
         if self._probe is not None and ctl is not None and self.next_estimate > ctl.step:
             self._probe.close()
             self._probe = None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 #: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads (each

@@ -1,15 +1,30 @@
-"""Warn before compression noise loses a run: the gradient norm is watched across steps.
+"""Save a compressed run from divergence: the gradient norm is watched across steps.
 
-Fixed low bits can drive some models to diverge silently (PyG's 64-layer ``gcn2_cora.py`` at
-fixed 2 bits: the gradient norm grows about 10x in 20 epochs, then the loss goes NaN). The
-watch sees every step's gradient through ``ctl.iterate()`` and warns once, with what to do:
-when the norm grows more than ``growth`` times over the median of the steps before, or when
-gradients are non-finite in several steps of one window (a single non-finite step is what
-AMP's ``GradScaler`` produces and skips on purpose).
+Fixed low bits can drive some models to diverge (PyG's 64-layer ``gcn2_cora.py`` at fixed 2
+bits: the gradient norm grows tenfold within a few steps, then the loss goes NaN). The watch
+sees every step's gradient through ``ctl.iterate()`` and, when it sees the run diverging, does
+what ``compress_gnn(..., on_divergence=...)`` says:
+
+- ``"rescue"`` (default): raise the bits of what is compressed one rung (fixed bits: every
+  compressed tensor 2 -> 4 -> 8 -> kept exact; adaptive: the average budget the same way;
+  ``policy="acgc"``: ``loss_bound`` divided by 16) and say so in one warning; the watch goes on
+  watching and raises again if the growth goes on. Under a ``memory_budget`` the planner decides
+  every tensor's bits, so the rescue only warns.
+- ``"warn"``: one warning with advice, nothing changed.
+- ``"raise"``: :class:`DivergenceError` from ``ctl.iterate()``.
+
+Diverging means: the median of ``recent`` consecutive steps' norms is more than ``growth``
+times the median of the ``window`` steps before them (a median, so that a spike that recovers
+the next step is no divergence) and at least half the highest such median seen before (a
+converged run whose tiny gradients grow tenfold in a loss bump is not diverging either); or the
+gradients were non-finite in ``nonfinite`` of the last 10 steps (a single non-finite step is
+what AMP's ``GradScaler`` produces and skips on purpose). After a rescue, the median doubling
+over the level it had reached means the rescue did not hold, and the next rung follows.
 
 Cost: one fused norm over the parameters' gradients per step, kept on the device; the values
-are read once every ``every`` steps, on CUDA through an asynchronous copy to pinned host memory
-that is looked at in a later step, once it has landed (no step waits for the device).
+are read once every ``every`` steps (every step on CPU, where reading costs nothing; every 5
+steps on CUDA, through an asynchronous copy to pinned host memory that is looked at in a later
+step, once it has landed: no step waits for the device).
 """
 
 from __future__ import annotations
@@ -17,40 +32,95 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+from typing import Any
 
 import torch
 
-__all__ = ["GradientWatch", "attach_watch"]
+from gact_graph.config import ON_DIVERGENCE
+
+__all__ = ["DivergenceError", "GradientWatch", "attach_watch"]
+
+#: the widths a rescue steps through (32: kept exact)
+_RUNGS = (1, 2, 4, 8, 32)
+#: how much a rescue tightens AC-GC's bound (two more bits divide S(b) by about 16)
+_ACGC_TIGHTEN = 16.0
+
+
+#: steps over which non-finite gradients are counted
+_NONFINITE_SPAN = 10
+#: growth counts only up to at least this share of the highest level (median of ``recent``
+#: steps) the run had reached before
+_PEAK_SHARE = 0.5
+#: after a rescue, how far over the level it had reached the norm may grow before the next one
+_AGAIN = 2.0
+
+
+class DivergenceError(RuntimeError):
+    """Raised by ``ctl.iterate()`` when the watch sees the run diverging and
+    ``on_divergence="raise"``."""
+
+
+def _next_rung(bits: float) -> int:
+    return next((b for b in _RUNGS if b > bits), 32)
 
 
 class GradientWatch:
     """Watches the gradient norm of ``ctl.model`` at each ``ctl.iterate()``.
 
     Args:
-        every: steps between reads of the recorded norms (one sync each).
+        every: steps between reads of the recorded norms (None: 1 on CPU, 5 on accelerators).
         window: steps of history the growth is measured against (their median).
-        growth: how many times the median a norm may reach before the warning.
+        growth: how many times that median the median of ``recent`` steps may reach.
+        recent: consecutive steps whose median is compared (a single spike is not growth).
         nonfinite: non-finite steps within one read that count as divergence.
+        action: ``"rescue"``, ``"warn"`` or ``"raise"`` (see the module docstring).
     """
 
-    def __init__(self, every: int = 10, window: int = 50, growth: float = 10.0, nonfinite=3):
-        self.every, self.window, self.growth, self.nonfinite = every, window, growth, nonfinite
+    def __init__(
+        self,
+        every: int | None = None,
+        window: int = 50,
+        growth: float = 4.0,
+        recent: int = 5,
+        nonfinite: int = 3,
+        action: str = "rescue",
+    ) -> None:
+        if action not in ON_DIVERGENCE:
+            raise ValueError(f"on_divergence must be one of {ON_DIVERGENCE}, got {action!r}")
+        self.every, self.window, self.growth = every, window, growth
+        self.recent, self.nonfinite, self.action = recent, nonfinite, action
         self.pending: list[torch.Tensor] = []
         self.history: list[float] = []
-        self.warned = False
+        self.finite: list[bool] = []  # of the last _NONFINITE_SPAN steps
+        self.peak = 0.0  # the highest median of ``recent`` steps seen
+        #: after a rescue, for a window of steps: the level the norm had reached, which it
+        #: may not exceed ``_AGAIN`` times (0: no rescue in force)
+        self.floor = 0.0
+        #: what the watch saw and did: ``{"step", "what", "action"}`` per event
+        self.events: list[dict[str, Any]] = []
+        self.done = False  # nothing more to do: warned, or nothing left to raise
+        #: what the rescues raised (restored by `load_state_dict`): the fixed-bit floor, the
+        #: adaptive average, the AC-GC bound
+        self.bits_floor: int | None = None
+        self.avg_bits: float | None = None
+        self.loss_bound: float | None = None
         #: (pinned host copy, event recorded after it, step of its last norm) while in flight
         self._copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
 
+    # ---------------------------------------------------------------- per step
     def after_step(self, ctl) -> None:
+        if self.done:
+            return
         grads = [p.grad for p in ctl.model.parameters() if p.grad is not None]
-        if not grads or self.warned:
+        if not grads:
             return
         norms = torch._foreach_norm([g.detach() for g in grads])  # no sync: stays on device
         dev = norms[0].device
         self.pending.append(
             torch.linalg.vector_norm(torch.stack([n.float().to(dev) for n in norms]))
         )
-        if len(self.pending) >= self.every or self._copy is not None:
+        every = self.every if self.every is not None else (1 if dev.type == "cpu" else 5)
+        if len(self.pending) >= every or self._copy is not None:
             self._check(ctl)
 
     def _read(self, ctl) -> tuple[list[float], int] | None:
@@ -79,45 +149,214 @@ class GradientWatch:
         if read is None:
             return
         values, last_step = read
-        bad = [v for v in values if not math.isfinite(v)]
-        if len(bad) >= self.nonfinite:
-            self._warn(ctl, f"gradients were non-finite in {len(bad)} of the last "
-                            f"{len(values)} steps (step {last_step})")  # fmt: skip
-            return
         for i, v in enumerate(values):
+            step = last_step - len(values) + 1 + i
+            self.finite.append(math.isfinite(v))
+            del self.finite[:-_NONFINITE_SPAN]
+            bad = self.finite.count(False)
+            if bad >= self.nonfinite:
+                self._diverging(
+                    ctl,
+                    f"gradients were non-finite in {bad} of the last "
+                    f"{len(self.finite)} steps (step {step})",
+                )
+                return
             if not math.isfinite(v):
                 continue
-            ref = self.history[-self.window :]
-            if len(ref) >= self.window // 2:
-                base = statistics.median(ref)
-                if base > 0 and v > self.growth * base:
-                    step = last_step - len(values) + 1 + i
-                    self._warn(ctl, f"the gradient norm grew {v / base:.0f}x over the median "
-                                    f"of the {len(ref)} steps before step {step}")  # fmt: skip
-                    return
             self.history.append(v)
-        del self.history[: -self.window]
+            k = self.recent
+            ref = self.history[-self.window - k : -k]
+            now = statistics.median(self.history[-k:])
+            if self.floor > 0 and len(self.history) >= self.window + k:
+                self.floor = 0.0  # a window since the rescue: the ordinary comparison again
+            if self.floor > 0 and now > _AGAIN * self.floor:
+                # after a rescue: the norm went on growing over the level it had reached
+                self._diverging(
+                    ctl,
+                    f"the gradient norm went on growing after the bits were "
+                    f"raised ({now / self.floor:.1f}x by step {step})",
+                )
+                return
+            grown = len(ref) >= self.window // 5 and len(self.history) > k
+            base = statistics.median(ref) if grown else 0.0
+            peak, self.peak = self.peak, max(self.peak, now)
+            # growth to a level the run has been at before is no divergence: a converged run's
+            # tiny norms grow tenfold in one loss bump and are still far below its first steps'
+            if grown and base > 0 and now > self.growth * base and now > _PEAK_SHARE * peak:
+                self._diverging(
+                    ctl,
+                    f"the gradient norm grew {now / base:.0f}x over the "
+                    f"median of the {len(ref)} steps before step "
+                    f"{step - k + 1}",
+                )
+                return
+        del self.history[: -self.window - self.recent]
 
-    def _warn(self, ctl, what: str) -> None:
-        self.warned = True
+    # ---------------------------------------------------------------- actions
+    def _diverging(self, ctl, what: str) -> None:
         cfg = ctl.config
         mode = f"adaptive {cfg.bits:g}-bit" if cfg.adaptive else f"fixed {cfg.bits}-bit"
-        advice = (
-            "raise bits (e.g. bits=4)"
-            if cfg.adaptive
-            else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
+        head = f"gact_graph: {what} with {mode} compression; this run may be diverging"
+        event = {"step": ctl.step, "what": what, "action": self.action}
+        self.events.append(event)
+        if self.action == "raise":
+            self.done = True
+            raise DivergenceError(
+                f"{head} (on_divergence='raise'). Raise bits (e.g. bits=4), use adaptive bits "
+                "(the default), let the watch raise them (on_divergence='rescue', the default), "
+                "or compare with bits=None to see whether the model diverges without compression"
+            )
+        if self.action == "rescue":
+            did = self._raise_bits(ctl)
+            event["did"] = did
+            if did is not None:
+                self._rescued(ctl, head, did)
+                return
+            event["action"] = "warn"
+            if ctl.bits_policy is not None:
+                advice = (
+                    "the memory budget decides every tensor's bits, so the watch does not "
+                    "raise them: give a larger memory_budget, or on_divergence='raise' to "
+                    "stop such runs"
+                )
+            else:
+                advice = (
+                    "nothing is compressed any more, so the model diverges without "
+                    "compression noise: look at the learning rate and the model"
+                )
+        else:
+            advice = (
+                "raise bits (e.g. bits=4)"
+                if cfg.adaptive
+                else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
+            ) + (
+                ", or leave on_divergence='rescue' (the default) to let the watch raise them; "
+                "compare with bits=None to see whether the model diverges without compression"
+            )
+        self.done = True
+        # stacklevel: _diverging, _check, after_step, Controller.iterate, the caller
+        warnings.warn(
+            f"{head} because of compression noise: {advice}", RuntimeWarning, stacklevel=5
+        )
+
+    def _rescued(self, ctl, head: str, did: str) -> None:
+        # only further growth counts: the level reached is the new floor of the comparison
+        recent = self.history[-self.recent :]
+        if recent:
+            self.floor = max(self.floor, statistics.median(recent))
+        self.history = self.history[-self.recent :]  # the growth after the rescue starts here
+        self.finite.clear()
+        lost = any(not bool(torch.isfinite(p).all()) for p in ctl.model.parameters())
+        tail = (
+            "; but the parameters are already non-finite: restore them from a checkpoint"
+            if lost
+            else ""
         )
         warnings.warn(
-            f"gact_graph: {what} with {mode} compression; this run may be diverging because of "
-            f"compression noise: {advice}, or compare with bits=None to see whether the model "
-            "diverges without compression",
+            f"{head}; rescued: {did} from step {ctl.step + 1} on (on_divergence='rescue', the "
+            f"default; 'warn' only warns, 'raise' stops){tail}",
             RuntimeWarning,
-            stacklevel=5,  # _warn, _check, after_step, Controller.iterate, the caller
+            stacklevel=6,  # _rescued, _diverging, _check, after_step, iterate, the caller
         )
+
+    def _raise_bits(self, ctl) -> str | None:
+        """Raise what the controller quantizes with one rung; what was done, or None when
+        nothing can be raised (everything exact already, or a memory budget decides)."""
+        if ctl.bits_policy is not None:
+            return None
+        adapter = ctl.adapter
+        if adapter is not None and getattr(adapter, "loss_bound", None) is not None:  # AC-GC
+            old = adapter.loss_bound
+            self.loss_bound = old / _ACGC_TIGHTEN
+            self._apply(ctl)
+            return f"loss_bound {old:g} -> {self.loss_bound:g}"
+        if adapter is not None:
+            old = adapter.avg_bits
+            new = _next_rung(old)
+            if new > 8 and 32 not in adapter.ladder or old >= 32:
+                return None
+            self.avg_bits = float(new)
+            self._apply(ctl)
+            return f"average bits {old:g} -> {new:g}"
+        old = self.bits_floor or int(round(ctl.config.bits))
+        if old >= 32:
+            return None
+        self.bits_floor = _next_rung(old)
+        self._apply(ctl)
+        new = "kept exact (32)" if self.bits_floor >= 32 else f"{self.bits_floor}"
+        return f"every compressed tensor {old} -> {new} bits"
+
+    def _apply(self, ctl, replan: bool = True) -> None:
+        """Put the raised settings into force on ``ctl``; ``replan``: the adaptive plan too
+        (`load_state_dict` loads the plan that was in force instead)."""
+        adapter = ctl.adapter
+        if self.bits_floor is not None:
+            ctl.bits_floor = self.bits_floor
+        if adapter is None:
+            return
+        if self.loss_bound is not None and hasattr(adapter, "loss_bound"):
+            adapter.loss_bound = self.loss_bound
+        elif self.avg_bits is not None:
+            adapter.avg_bits = self.avg_bits
+            quantized = [b for b in adapter.ladder if b <= self.avg_bits and b < 32]
+            adapter.default_bits = max(quantized)
+        if replan and adapter.tensors:
+            ctl.plan.update(adapter.make_plan())
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bits_floor": self.bits_floor,
+            "avg_bits": self.avg_bits,
+            "loss_bound": self.loss_bound,
+            "floor": self.floor,
+            "peak": self.peak,
+            "done": self.done,
+            "events": [dict(e) for e in self.events],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], ctl) -> None:
+        """Restore what the rescues raised (``state`` checked by `check_state`)."""
+        self.bits_floor = state.get("bits_floor")
+        self.avg_bits = state.get("avg_bits")
+        self.loss_bound = state.get("loss_bound")
+        self.floor = float(state.get("floor", 0.0))
+        self.peak = float(state.get("peak", 0.0))
+        self.done = bool(state.get("done", False))
+        self.events = [dict(e) for e in state.get("events", [])]
+        self._apply(ctl, replan=False)
+
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise a ``ValueError``/``TypeError`` naming what is wrong with a watch state."""
+        if not isinstance(state, dict):
+            raise TypeError(f"gact_graph state_dict: 'watch' must be a dict, got {state!r}")
+        floor = state.get("bits_floor")
+        if floor is not None and (isinstance(floor, bool) or floor not in _RUNGS):
+            raise ValueError(
+                f"gact_graph state_dict: watch bits_floor must be one of {_RUNGS} "
+                f"or None, got {floor!r}"
+            )
+        for key in ("avg_bits", "loss_bound", "floor", "peak"):
+            v = state.get(key)
+            if v is not None and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ValueError(
+                    f"gact_graph state_dict: watch {key} must be a finite number >= 0 or None, "
+                    f"got {v!r}"
+                )
+        if not isinstance(state.get("events", []), list):
+            raise TypeError("gact_graph state_dict: watch events must be a list")
 
 
 def attach_watch(ctl) -> GradientWatch:
-    """Give ``ctl`` a :class:`GradientWatch` (``compress_gnn`` does, whenever it quantizes)."""
-    watch = GradientWatch()
+    """Give ``ctl`` a :class:`GradientWatch` (``compress_gnn`` does, whenever it quantizes),
+    acting as ``ctl.config.extra["on_divergence"]`` says (default ``"rescue"``)."""
+    watch = GradientWatch(action=ctl.config.extra.get("on_divergence", "rescue"))
+    ctl.watch = watch
     ctl.add_step_hook(watch.after_step)
     return watch

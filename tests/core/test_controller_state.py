@@ -131,3 +131,80 @@ def test_copy_of_a_compressed_model_is_the_uncompressed_model(model_cls, opt_lev
     assert ctl2.stats()["total"]["stored_bytes"] > 0
     ctl.remove()
     assert "__deepcopy__" not in model.__dict__ and "__reduce_ex__" not in model.__dict__
+
+
+def test_a_state_saved_with_other_settings_is_refused_or_announced():
+    torch.manual_seed(0)
+    state = _trained_ctl(GCN(16, 8, 3, num_layers=2)).state_dict()  # adaptive 2 bits
+    assert state["plan"] and "adapter" in state
+    ctl = compress_gnn(GCN(16, 8, 3, num_layers=2), bits=8, adaptive=False, min_numel=0)
+    with pytest.raises(ValueError, match=r"bits=2 \(this controller: 8\).*adaptive=True"):
+        ctl.load_state_dict(state)
+    assert ctl.step == 0 and ctl.plan == {}  # nothing changed
+    # strict=False: this controller's settings hold, and the warning says which
+    with pytest.warns(UserWarning, match=r"settings hold \(bits=8, adaptive=False\)"):
+        ctl.load_state_dict(state, strict=False)
+    assert ctl.step == 2 and ctl.plan == {}
+    assert all(ctl.bits_for(name) == 8 for name in state["plan"])
+
+
+def test_an_adaptive_state_with_another_average_keeps_the_estimates_on_request():
+    torch.manual_seed(0)
+    old = _trained_ctl(GCN(16, 8, 3, num_layers=2))
+    state = old.state_dict()
+    ctl = compress_gnn(GCN(16, 8, 3, num_layers=2), bits=4, min_numel=0)
+    with pytest.raises(ValueError, match=r"bits=2 \(this controller: 4\)"):
+        ctl.load_state_dict(state)
+    with pytest.warns(UserWarning, match="sensitivity estimates"):
+        ctl.load_state_dict(state, strict=False)
+    assert ctl.adapter.c == old.adapter.c and ctl.adapter.avg_bits == 4
+    assert set(ctl.plan) == set(old.adapter.tensors)
+    assert sum(ctl.plan.values()) > sum(old.plan.values())  # planned for 4 bits, not 2
+
+
+def test_a_state_loads_into_an_l0_controller():
+    torch.manual_seed(0)
+    state = _trained_ctl(GCN(16, 8, 3, num_layers=2), adaptive=False).state_dict()
+    ctl = compress_gnn(GCN(16, 8, 3, num_layers=2), bits=2, adaptive=False, opt_level="L0")
+    ctl.load_state_dict(state)
+    assert ctl.step == 2 and ctl.plan == state["plan"]
+
+
+def _adaptive_state():
+    torch.manual_seed(0)
+    return _trained_ctl(GCN(16, 8, 3, num_layers=2)).state_dict()
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda s: s.update(config=None), TypeError, "config must be the dict"),
+        (lambda s: s.update(adapter={}), ValueError, r"adapter state lacks \['c', "),
+        (lambda s: s.update(adapter=[1, 2]), TypeError, "adapter state must be a dict"),
+        (
+            lambda s: s["adapter"]["tensors"].update({next(iter(s["adapter"]["tensors"])): [1]}),
+            ValueError,
+            r"adapter tensor .* is \[1\]",
+        ),
+        (
+            lambda s: s["adapter"]["c"].update({"convs.0#0": float("nan")}),
+            ValueError,
+            "sensitivity of 'convs.0#0'",
+        ),
+        (lambda s: s["adapter"].update(interval=0), ValueError, "interval must be an int >= 1"),
+        (
+            lambda s: s["adapter"]["tensors"].update({"nowhere#0": [[4], 256, 4]}),
+            ValueError,
+            "module 'nowhere'",
+        ),
+        (lambda s: s["plan"].update({7: 2}), ValueError, "names a tensor 7"),
+    ],
+)
+def test_malformed_states_name_the_problem(change, error, match):
+    state = _adaptive_state()
+    change(state)
+    torch.manual_seed(0)
+    ctl = compress_gnn(GCN(16, 8, 3, num_layers=2), bits=2, min_numel=0)
+    with pytest.raises(error, match=match):
+        ctl.load_state_dict(state)
+    assert ctl.step == 0 and ctl.plan == {} and ctl.adapter.c == {}

@@ -28,6 +28,12 @@ def test_available_names_and_unknown_name():
         load_dataset("not-a-dataset", root="/nonexistent")
 
 
+@pytest.mark.parametrize("name", [None, 3, b"cora"])
+def test_a_name_that_is_not_a_string_is_a_type_error(name):
+    with pytest.raises(TypeError, match=r"load_dataset expects a dataset name \(str\), got"):
+        load_dataset(name)
+
+
 def test_unknown_loader_option(tmp_path):
     with pytest.raises(TypeError):
         load_dataset("flickr", root=tmp_path, normalize_features=True)

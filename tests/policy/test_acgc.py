@@ -254,9 +254,15 @@ def test_state_dict_round_trip():
     ctl2.iterate()
     assert ctl2.adapter.grad_var is not None
     ctl2.remove()
+    # a state saved with another bound is refused; strict=False keeps this bound and says so
     ctl3 = compress_gnn(model, bits=2, policy="acgc", loss_bound=0.2, min_numel=256)
-    with pytest.warns(UserWarning, match="loss_bound=0.1"):
+    with pytest.raises(ValueError, match=r"loss_bound=0.1 \(this controller: 0.2\)"):
         ctl3.load_state_dict(state)
+    assert ctl3.step == 0 and ctl3.plan == {}
+    with pytest.warns(UserWarning, match=r"saved with loss_bound=0.1.*settings hold"):
+        ctl3.load_state_dict(state, strict=False)
+    assert ctl3.adapter.loss_bound == 0.2 and ctl3.adapter.c == ctl.adapter.c
+    assert ctl3.step == ctl.step
     ctl3.remove()
 
 

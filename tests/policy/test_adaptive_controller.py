@@ -142,12 +142,13 @@ def test_alert_fires_once_when_compression_noise_dominates():
     alerts, adapter = _alert_warnings(1)
     assert len(alerts) == 1  # once, although every estimate is above the threshold
     assert adapter.last_share > 0.5
-    assert "of the gradient's mean square" in str(alerts[0].message)
-    # and the number in the message is the measured share
+    assert "of the gradient's measured mean square" in str(alerts[0].message)
+    # and the number in the message is the measured share, above the threshold twice in a row
+    loud = [h for h in adapter.history if h["noise_share"] is not None]
     assert any(
-        h["share"] is not None and f"{h['share']:.1%} of the gradient" in str(alerts[0].message)
-        for h in adapter.history
+        f"({h['noise_share']:.1%} at step {h['step']}" in str(alerts[0].message) for h in loud
     )
+    assert any(a["noise_share"] > 0.5 and b["noise_share"] > 0.5 for a, b in zip(loud, loud[1:]))
 
 
 def test_no_alert_at_8_bits():
@@ -292,3 +293,29 @@ def test_a_probe_that_runs_out_of_memory_never_fails_the_step():
         assert torch.equal(a, b)
     assert any("could not probe" in m and "out of memory" in m for m in msgs), msgs
     assert plan and set(plan.values()) == {2}, plan
+
+
+def test_no_alert_on_a_healthy_run_that_converges(cora):
+    """OGB's arxiv GCN (3 layers, BatchNorm, dropout 0.5, Adam 0.01) on Cora, default mode: the
+    training loss falls below 1e-2 and accuracy matches stock's. The EMA share read 100 % at
+    every estimate of such runs (the first estimate exceeds the measured mean square; later the
+    EMA remembers the first steps' gradients) and the alert cried wolf; this probe's own share
+    of its step is what the alert reads now."""
+    model = GCN(cora.num_features, 64, 7, num_layers=3, batch_norm=True, dropout=0.5)
+    ctl = compress_gnn(model, bits=2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(40):
+            opt.zero_grad(set_to_none=True)
+            out = model(cora.x, cora.edge_index)
+            loss = nn.functional.cross_entropy(out[cora.train_mask], cora.y[cora.train_mask])
+            loss.backward()
+            opt.step()
+            ctl.iterate()
+    ctl.remove()
+    assert loss.item() < 1e-2
+    assert [str(w.message) for w in caught if "gact_graph" in str(w.message)] == []
+    history = ctl.adapter.history
+    assert any(h["share"] > 0.5 for h in history)  # what the alert used to read
+    assert all(h["noise_share"] < 0.5 for h in history[1:])
