@@ -11,6 +11,7 @@ __all__ = [
     "DOUBLE_BACKWARD_HELP",
     "EXTRA_OPTIONS",
     "FIXED_BITS",
+    "GRAPH_CHECKS",
     "ON_DIVERGENCE",
     "OPT_LEVELS",
     "PLAN_BITS",
@@ -54,12 +55,19 @@ EXTRA_OPTIONS = {
     "on_divergence": "watch: what a compressed run the gradient watch sees diverging gets: "
     "'rescue' (the default: its bits are raised, with a warning), 'warn' (a warning only) or "
     "'raise' (gact_graph.policy.watch.DivergenceError from ctl.iterate())",
+    "graph_check": "sparse: when a cached graph's content is checked against the tensors "
+    "passed: 'forward' (the default: once per training forward, one O(E) hash pass, and on "
+    "CUDA one 16-byte read to the host) or 'version' (storage identity and version counter "
+    "only: no pass, no read; a write that bypasses the version counter, through .data or into "
+    "a NumPy buffer behind torch.from_numpy, is then not seen)",
     "budget_recompute": "memory_budget: when to measure recomputing segments ('auto', the "
     "default: in a second profile step, only when no plan without it fits; True: in the first; "
     "False: never)",
 }
 #: What ``on_divergence`` may say (`gact_graph.policy.watch`).
 ON_DIVERGENCE = ("rescue", "warn", "raise")
+#: What ``graph_check`` may say (`gact_graph.sparse.adjacency`).
+GRAPH_CHECKS = ("forward", "version")
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.
 OPT_LEVELS = ("L0", "L1", "L2", "CB1")
@@ -195,6 +203,9 @@ class CompressionConfig:
         action = self.extra.get("on_divergence", "rescue")
         if not isinstance(action, str) or action not in ON_DIVERGENCE:
             raise ValueError(f"on_divergence must be one of {ON_DIVERGENCE}, got {action!r}")
+        check = self.extra.get("graph_check", "forward")
+        if not isinstance(check, str) or check not in GRAPH_CHECKS:
+            raise ValueError(f"graph_check must be one of {GRAPH_CHECKS}, got {check!r}")
         if self.bits == 32:
             self.bits = None
         if self.bits is not None:

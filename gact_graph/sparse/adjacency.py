@@ -508,6 +508,12 @@ def _unchanged(digest: Tensor | None, before: Tensor | None) -> bool:
     return bool(torch.equal(digest, before))
 
 
+def _checks_content(ctl) -> bool:
+    """Whether a graph found by identity has its content checked too (``graph_check``)."""
+    config = getattr(ctl, "config", None)
+    return config is None or config.extra.get("graph_check", "forward") == "forward"
+
+
 def _forward_token(ctl) -> int | None:
     """The training forward now running (its inputs are checked once in it), or None (eval,
     ``no_grad``, outside a forward: every call checks)."""
@@ -883,7 +889,7 @@ def get_adjacency(
         entry = cache.entry(cache._by_identity, id_key)
         if entry is not None:
             adj = entry.get()
-            if token is None or entry.checked_in != token:
+            if _checks_content(ctl) and (token is None or entry.checked_in != token):
                 digest = _digest(id_graph[2] + id_weight[2])
                 if not _unchanged(digest, entry.digest):
                     adj = None  # rewritten in place: found or built by content below

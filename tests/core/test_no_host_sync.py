@@ -6,7 +6,14 @@ data-dependent shapes) into an error. A steady-state step is one that re-plans n
 default (adaptive) mode re-plans at steps 0, 1, 3, 7, 15, ..., so step 5 is one; with fixed bits
 every step after the first is (the first compiles and tunes the kernels). Each case checks the
 forward, the backward, the optimizer step and ``ctl.iterate()``.
+
+The cases run with ``graph_check="version"``: by default a cached graph's content is checked
+once per training forward, which reads one 16-byte digest back (choosing which adjacency serves
+the forward is the host's decision); `test_default_graph_check_is_the_only_sync` counts that
+one read.
 """
+
+import warnings
 
 import pytest
 import torch
@@ -40,7 +47,7 @@ def _setup(name: str, kwargs: dict):
     data = make_synthetic_graph(NODES, EDGES, FEATURES, CLASSES, seed=0).to("cuda")
     torch.manual_seed(0)
     model = build_model(name, FEATURES, CLASSES, **preset(name, "synthetic")["model"]).cuda()
-    ctl = compress_gnn(model, **kwargs)
+    ctl = compress_gnn(model, **{"graph_check": "version", **kwargs})
     opt = torch.optim.Adam(model.parameters(), lr=0.005)
 
     def closure():
@@ -93,5 +100,25 @@ def test_gradient_watch_reads_its_norms_without_waiting():
                                                              GradientWatch)
         ]  # fmt: skip
         assert watch.history, "no norm was read back"
+    finally:
+        ctl.remove()
+
+
+def test_default_graph_check_is_the_only_sync():
+    """With the default ``graph_check="forward"`` a steady-state step reads the graph's content
+    digest back once, and makes no other sync."""
+    ctl, step = _setup("gcn", {"bits": 2, "adaptive": False, "graph_check": "forward"})
+    try:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]
     finally:
         ctl.remove()

@@ -142,3 +142,33 @@ def test_checked_once_per_forward_and_rebuilt_only_on_change(monkeypatch):
     _step(ours, x, ei)
     assert cache.builds == 2
     ctl.remove()
+
+
+def test_graph_check_version_trusts_the_version_counter(monkeypatch):
+    """``graph_check="version"`` makes no content pass on a graph found by identity (no host
+    read on a GPU), and so, as documented, does not see a write that bypasses the version
+    counter; an ordinary in-place write (a version bump) is still seen."""
+    calls = []
+    real = adjacency._hash_pair
+    monkeypatch.setattr(adjacency, "_hash_pair", lambda t: calls.append(t.numel()) or real(t))
+    torch.manual_seed(0)
+    ours = _Net(CONVS["gcn"])
+    ctl = compress_gnn(ours, bits=None, graph_check="version")
+    g = torch.Generator().manual_seed(2)
+    ei = torch.randint(0, N, (2, E), generator=g)
+    x = torch.randn(N, F, generator=g)
+    before, _ = _step(ours, x, ei)
+    calls.clear()
+    ei.data[0, : E // 2] = torch.randint(0, N, (E // 2,), generator=g)
+    stale, _ = _step(ours, x, ei)
+    assert calls == []  # found by identity, not hashed
+    torch.testing.assert_close(stale, before, rtol=0, atol=0)  # the cached graph served
+    ei[1, :10] = (ei[1, :10] + 1) % N  # a version bump: looked up again
+    changed, _ = _step(ours, x, ei)
+    assert calls and not torch.equal(changed, before)
+    ctl.remove()
+
+
+def test_graph_check_rejects_other_values():
+    with pytest.raises(ValueError, match="graph_check must be one of"):
+        compress_gnn(_Net(CONVS["gcn"]), graph_check="never")
