@@ -14,11 +14,12 @@
 #
 # Speed stages, run only when named in SUITE_STAGES (the default runs the five above):
 #   cuda_tests  pytest -m cuda tests                       every CUDA test, kernels included
-#   gat_edge    benchmarks/bench_gat_edge.py --device cuda  the fused GAT/GATv2 edge stage
+#   gat_edge    benchmarks/bench_gat_edge.py --device cuda  the fused GAT edge stage
+#   gatv2_edge  the same with --op gatv2 (its table in suite.log only: 8 files come back)
 #   small       benchmarks/small_graph_epoch.py --device cuda   CiteSeer-sized epoch vs FP32
 #   products    benchmarks/budget_products.py --hidden 32   ogbn-products-size GAT, 16 GiB
 #
-#   SUITE_STAGES="cuda_tests quantize gat_edge step_time small products" bash benchmarks/run_gpu_suite.sh
+#   SUITE_STAGES="cuda_tests quantize gat_edge gatv2_edge step_time small products" bash benchmarks/run_gpu_suite.sh
 #
 # Writes at most 8 files (what the device tool brings back): one JSON per stage, suite.json
 # (environment, each stage's command, exit code and seconds), suite.log (every stage's output)
@@ -64,7 +65,7 @@ if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
     : "${STEP_ARGS:=--scale 0.002 --models gcn}"
     : "${SCALING_ARGS:=--models gcn --searches depth --depth-hidden 16 --max-depth 16}"
     : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
-    : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry-run}"
+    : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry}"
     : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
 fi
 DEV="${SUITE_DEVICE:-cuda}"
@@ -135,6 +136,9 @@ run_stage largest "$T_LARGEST" \
 run_stage gat_edge "$T_GAT_EDGE" \
     "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --json "$OUTDIR/bench_gat_edge.json" \
     ${GAT_EDGE_ARGS:-}
+
+run_stage gatv2_edge "$T_GAT_EDGE" \
+    "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --op gatv2 ${GAT_EDGE_ARGS:-}
 
 run_stage small "$T_SMALL" \
     "$PY" benchmarks/small_graph_epoch.py --device "$DEV" --json "$OUTDIR/small_graph_epoch.json" \
