@@ -93,6 +93,7 @@ from gact_graph.budget.planner import (
 from gact_graph.budget.profile import (
     CodecTimer,
     LiveBytes,
+    PeakBytes,
     StepMeter,
     TensorInfo,
     compressed_bytes,
@@ -258,6 +259,13 @@ class BudgetPlanner:
         self._base: int | None = None
         self._timer: CodecTimer | None = None
         self._seg_of: dict[str, str | None] = {}
+        #: the counted meter's ledger: storages steps created that are still alive (what a
+        #: later step starts with beyond parameters and inputs), address -> (weak ref, bytes)
+        self._ledger: dict[int, tuple[Any, int]] = {}
+        self._counter: PeakBytes | None = None
+        self._device: torch.device | None = None
+        self._warned_resident = False
+        self._last_counter: PeakBytes | None = None
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -360,6 +368,13 @@ class BudgetPlanner:
         self._meter = StepMeter(device)
         self._meter.begin()
         self._live = None
+        self._device = device
+        self._counter = None
+        if self._phase == "planned" and self.meter == "bytes":
+            # the counted meter judges this step: what it creates, on top of what earlier
+            # steps left alive (the ledger)
+            self._counter = PeakBytes(self._ledger)
+            self._counter.__enter__()
         if self._phase == "profile" and device.type != "cuda":
             # CPU: count live tensor bytes through the profile step; the probe's partial
             # backwards (run under `lean_backward`) are kept out of the backward transient,
@@ -371,7 +386,6 @@ class BudgetPlanner:
             self._live.__enter__()
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
-        self._device = device
 
     def _static_tensors(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What exists before a step and is counted in ``rest``: parameters, buffers, inputs."""
@@ -436,13 +450,41 @@ class BudgetPlanner:
         self._recomputed_peak = max(self._recomputed_peak, held)
 
     def _end_live(self) -> LiveBytes | None:
-        """Take the profile step's `LiveBytes` mode off the dispatch stack (it is pushed when
-        the profile forward starts and normally popped by ``iterate``): left on, it would slow
-        every later op of the process by walking the live-tensor table."""
+        """Take the profile step's `LiveBytes` mode (and a planned step's `PeakBytes`) off the
+        dispatch stack (pushed when the step's forward starts and normally popped by
+        ``iterate``): left on, it would slow every later op of the process."""
+        counter, self._counter = self._counter, None
         live, self._live = self._live, None
-        if live is not None:
+        if counter is not None and live is None:
+            counter.__exit__(None, None, None)
+        elif live is not None and counter is None:
             live.__exit__(None, None, None)
+        elif live is not None:  # both (never pushed together): pop in reverse order
+            live.__exit__(None, None, None)
+            counter.__exit__(None, None, None)
+        self._last_counter = counter
         return live
+
+    @property
+    def meter(self) -> str:
+        """Which meter judges a step against the budget: ``"cuda"`` (``max_memory_allocated``),
+        ``"rss"`` (CPU: the anonymous resident set, where it follows live bytes: glibc returns
+        freed memory with ``MALLOC_MMAP_THRESHOLD_`` set, or ``budget_rectify=True`` says to
+        trust it) or ``"bytes"`` (CPU otherwise: tensor bytes counted at every op of a planned
+        step, what the plan is made in; the resident set keeps what glibc does not return)."""
+        device = self._device
+        if device is not None and device.type == "cuda":
+            return "cuda"
+        if self.rectify is True or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+            return "rss"
+        return "bytes"
+
+    METERS = {
+        "cuda": "CUDA max_memory_allocated",
+        "rss": "anonymous resident set above the process before training",
+        "bytes": "tensor bytes counted at every op (parameters, inputs and what steps left "
+        "alive included)",
+    }
 
     def _after_forward(self, module, args, output) -> None:
         if self._phase is None or is_lean():
@@ -508,13 +550,23 @@ class BudgetPlanner:
         return largest + sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
     def _check_lower_bound(self) -> None:
-        """End of a profile step's forward: can any plan fit? Only shapes are known here (what
-        segments save inside: their holders' shapes), so this is a lower bound: every tensor
-        at 1 bit, every segment recomputed. Where a recompute profile may still follow, what
-        segments save is left out (recomputed, a segment may hold only its inputs)."""
-        tensors = self._records()
+        """End of a profile step's forward: a lower bound on what any plan holds. Only shapes
+        are known here (what segments save inside: their holders' shapes): every tensor at 1
+        bit, every segment recomputed. Where a recompute profile may still follow, what
+        segments save is left out (recomputed, a segment may hold only its inputs), but the
+        largest saved tensor, wherever it is saved, is dequantized (or recomputed) in fp32 in
+        backward either way.
+
+        The bound refuses nothing by itself: a refusal names a budget at which a rerun is
+        admitted, and only the finished profile step measures that (a bound from shapes named
+        15.32 MiB for PyG's GCN on Cora, whose least admitted budget is about 47 MiB). The
+        step runs to its end at the least setting and the refusal comes at ``ctl.iterate()``
+        with the measured figure. On CUDA, where the bound exceeds the device's whole memory
+        (the profile step cannot run), it raises here, naming the bound as a bound."""
+        every = self._records()
+        tensors = every
         if self._may_recompute_next():
-            tensors = [t for t in tensors if not self._in_segment(t)]
+            tensors = [t for t in every if not self._in_segment(t)]
         inner = []
         for metas in self._meta.values():
             for shape, dtype, _device in metas:
@@ -528,23 +580,29 @@ class BudgetPlanner:
             if t.quantizable
         )
         rest = self._rest()
-        floor = self._transient_lower_bound(tensors + inner)
+        floor = self._transient_lower_bound(every + inner)
         # no margin: the profile step's own setting is admitted at its measured peak, which
         # this bound may not exceed
         need = rest + fixed + held + floor
         self._lower_bound = need
-        if need > self.budget:
-            self._phase = None
-            self._end_live()
-            raise BudgetError(
-                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
-                f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
-                f"least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
-                f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}); the "
-                f"smallest feasible budget is at least {format_bytes(need)}",
-                need,
-                exact=False,
-            )
+        device = self._device
+        if need > self.budget and device is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if need > total:
+                self._phase = None
+                self._end_live()
+                raise BudgetError(
+                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
+                    f"every saved tensor at {low_bits} bit(s) and every segment recomputed "
+                    f"needs at least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
+                    f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}), "
+                    f"more than the device's {format_bytes(total)}: the smallest feasible "
+                    f"budget is at least {format_bytes(need)}, a lower bound from the "
+                    "forward's shapes (the profile step that would measure the admissible "
+                    "figure cannot run on this device)",
+                    need,
+                    exact=False,
+                )
 
     def _may_recompute_next(self) -> bool:
         """Whether this profile step recomputes nothing but a recompute profile may follow."""
@@ -569,6 +627,11 @@ class BudgetPlanner:
             measured = peak
         else:
             measured = peak - self._base
+        resident = None if self._device.type == "cuda" else measured
+        counted = None
+        counter = self._last_counter
+        if counter is not None:  # the counted meter (a planned step)
+            counted = self._static + counter.peak
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
@@ -576,6 +639,10 @@ class BudgetPlanner:
             once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
             carried_at_start = self._carried_before  # what an earlier profile step left
             if live is not None:
+                # what this step left alive, later steps start with (the counted meter)
+                for key, (ref, nbytes, _) in live._live.items():
+                    if not ref.expired():
+                        self._ledger[key] = (ref, nbytes)
                 growth, outside = live.repeated_peak, live.outside_peak
                 once_only = live.peak - live.repeated_peak
                 # a later profile step (a new shape, a recompute profile) starts with what
@@ -622,6 +689,8 @@ class BudgetPlanner:
                 whole = None if growth is None else self._rest() + growth
             if whole is not None and measured is not None and self._rectifies():
                 whole = max(whole, measured)
+            if self.meter == "bytes":
+                counted = whole
             state = self._plan_from_profile(growth, outside, profile_peak, correction, whole)
             if state is not None:
                 self._pause_probes()
@@ -630,34 +699,62 @@ class BudgetPlanner:
             predicted = None
         else:
             predicted = self.plan_state.predicted
-        rectified = (
-            phase == "planned"
-            and measured is not None
-            and measured > self.budget
-            and self._rectifies()
-        )
+        meter = self.meter
+        judged = counted if meter == "bytes" else measured
+        over = phase == "planned" and judged is not None and judged > self.budget
+        rectified = over and self.rectify is not False
         self.history.append(
             {
                 "step": ctl.step,
                 "phase": phase,
                 "predicted": predicted,
-                "measured": measured,
+                "measured": judged,
+                "meter": meter,
+                "resident": resident,
+                "counted": counted,
                 "accounted": accounted,
                 "rectified": rectified,
             }
         )
         del self.history[:-256]
         if rectified:
-            self._rectify(self.plan_state, measured)
+            self._rectify(self.plan_state, judged)
+        elif over:  # budget_rectify=False: said, not re-planned
+            warnings.warn(
+                f"gact_graph: memory_budget={format_bytes(self.budget)}: step {ctl.step} "
+                f"measured {format_bytes(judged)} ({self.METERS[meter]}) against a predicted "
+                f"{format_bytes(predicted)}; not re-planned (budget_rectify=False)",
+                stacklevel=2,
+            )
+        if (
+            phase == "planned"
+            and meter == "bytes"
+            and resident is not None
+            and resident > self.budget
+            and not over
+            and not self._warned_resident
+        ):
+            self._warned_resident = True
+            warnings.warn(
+                f"gact_graph: memory_budget={format_bytes(self.budget)}: step {ctl.step} held "
+                f"{format_bytes(counted)} of tensors, within the budget, but the process's "
+                f"anonymous resident set rose {format_bytes(resident)} above where training "
+                "started: glibc keeps memory the steps freed. The budget is judged in counted "
+                "tensor bytes here; with MALLOC_MMAP_THRESHOLD_=65536 in the environment "
+                "(set before Python starts) glibc returns it and the resident set judges "
+                "(budget_rectify=True trusts it without)",
+                stacklevel=2,
+            )
 
     def _rectifies(self) -> bool:
-        """Whether a measured peak is trusted enough to re-plan on (see the module docstring):
-        CUDA's allocator counts live bytes; on CPU the resident set does only when glibc
-        returns freed memory, which ``MALLOC_MMAP_THRESHOLD_`` (read at process start) makes
-        it do for every tensor above that size."""
-        if self.rectify != "auto":
-            return bool(self.rectify)
-        return self._device.type == "cuda" or "MALLOC_MMAP_THRESHOLD_" in os.environ
+        """Whether the device's own meter (CUDA's allocator, the CPU resident set) is trusted
+        to seed the profile's correction with what it saw beyond the counted tensors: CUDA's
+        allocator counts live bytes; on CPU the resident set does only when glibc returns
+        freed memory, which ``MALLOC_MMAP_THRESHOLD_`` (read at process start) makes it do for
+        every tensor above that size. ``budget_rectify=False`` trusts nothing."""
+        if self.rectify is False:
+            return False
+        return self.meter in ("cuda", "rss")
 
     def _rectify(self, state: PlanState, measured: int) -> None:
         """A planned step measured ``measured`` bytes, above the budget: add the miss to the
@@ -932,7 +1029,10 @@ class BudgetPlanner:
     def report(self) -> str:
         """The plan per unit and predicted vs measured peak per step."""
         state = self.plan_state
-        lines = [f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%})"]
+        lines = [
+            f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%}); judged by "
+            f"{self.METERS[self.meter]} ({self.meter})"
+        ]
         if state is None:
             lines.append("no plan yet: the first training step profiles")
             return "\n".join(lines)
@@ -977,16 +1077,22 @@ class BudgetPlanner:
                 f"{(o.resident + o.transient) / 2**20:>9.3f}"
             )
         lines.append(
-            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'accounted':>12}"
+            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'meter':>6} "
+            f"{'resident':>12} {'accounted':>12}"
         )
+
+        def fmt(v):
+            return "-" if v is None else format_bytes(v)
+
         for h in self.history[-10:]:
-            pred = "-" if h["predicted"] is None else format_bytes(h["predicted"])
-            meas = "-" if h["measured"] is None else format_bytes(h["measured"])
+            over = h["measured"] is not None and h["measured"] > self.budget
             lines.append(
-                f"{h['step']:>6} {h['phase']:<8} {pred:>12} {meas:>12} "
-                f"{format_bytes(h['accounted']):>12}"
-                + ("  over budget: re-planned" if h.get("rectified") else "")
-            )
+                f"{h['step']:>6} {h['phase']:<8} {fmt(h['predicted']):>12} "
+                f"{fmt(h['measured']):>12} {h.get('meter', '-'):>6} "
+                f"{fmt(h.get('resident')):>12} {format_bytes(h['accounted']):>12}"
+                + ("  over budget: re-planned" if h.get("rectified")
+                   else "  over budget" if over and h["phase"] == "planned" else "")
+            )  # fmt: skip
         return "\n".join(lines)
 
 
