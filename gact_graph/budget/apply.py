@@ -250,7 +250,9 @@ class BudgetPlanner:
         #: raise, and its own peak (a rerun runs that step first)
         self.compress_profiled: dict[tuple, tuple[int, str, int]] = {}
         self._recomputing = False  # whether this profile step recomputes every segment
-        self._carried_before = 0  # what an earlier CPU profile step carried into later steps
+        #: bytes of the ledger alive when this profile step started (CPU): what earlier steps
+        #: left (optimizer state, a layer's own cached graph), which it does not create again
+        self._ledger_start = 0
         self.history: list[dict[str, Any]] = []
         self.profiles = 0
         self._phase: str | None = None  # "profile" / "planned" during a step, else None
@@ -380,6 +382,7 @@ class BudgetPlanner:
             # backwards (run under `lean_backward`) are kept out of the backward transient,
             # since planned steps do not probe, and once-per-graph work out of everything a
             # later step is predicted to hold, since it finds that work's result cached
+            self._ledger_start = PeakBytes(self._ledger).alive()
             self._live = LiveBytes(
                 aside=is_lean, exclude=self._static_tensors(inputs), once=is_once_per_graph
             )
@@ -637,18 +640,22 @@ class BudgetPlanner:
         if phase == "profile":
             growth = outside = None
             once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
-            carried_at_start = self._carried_before  # what an earlier profile step left
+            carried_at_start = self._ledger_start  # what earlier steps left alive
+            alive_all = None
             if live is not None:
-                # what this step left alive, later steps start with (the counted meter)
-                for key, (ref, nbytes, _) in live._live.items():
-                    if not ref.expired():
-                        self._ledger[key] = (ref, nbytes)
                 growth, outside = live.repeated_peak, live.outside_peak
                 once_only = live.peak - live.repeated_peak
-                # a later profile step (a new shape, a recompute profile) starts with what
-                # an earlier one carried (the optimizer state) and does not create it again
-                self._carried = max(live.created_after_peak(), self._carried_before)
-                self._carried_before = self._carried
+                # a later step starts with what earlier steps left alive (the ledger: the
+                # optimizer state, PyG's per-layer cached graphs of ``cached=True``) and what
+                # this one created after its peak; a later profile step (a new shape, a
+                # recompute profile) does not create the former again (once it was left out
+                # there: 32 GCN2Conv layers' own caches, 28 MiB, were missing from the plan a
+                # recompute profile made, and its planned steps held 26 MiB over the prediction)
+                self._carried = carried_at_start + live.created_after_peak()
+                for key, (ref, nbytes, _, _) in live._live.items():
+                    if not ref.expired():
+                        self._ledger[key] = (ref, nbytes)
+                alive_all = PeakBytes(self._ledger).alive()
             elif peak is not None:
                 growth = peak - self._meter.start
             profile_peak = None
@@ -671,13 +678,13 @@ class BudgetPlanner:
                 # step's, once-per-graph work included: compared with the whole step's count
                 correction = max(0, measured - probe - once_only - profile_peak)
                 now = self._meter.current()
-                if now is not None and live is not None and self._base is not None:
+                if now is not None and alive_all is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
                     # (the C allocator's retained chunks): later steps start with it, the
                     # first did not (64-layer GCNII, 8,000 nodes: 16 MiB at rest after
                     # the profile step, whose own peak held 2.4 MiB beyond its tensors;
                     # the planned steps then held 13 MiB beyond theirs)
-                    retained = now - self._base - self._static - live.alive()
+                    retained = now - self._base - self._static - alive_all
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
             # the step's own peak, probe and build included: a rerun's profile step does it all

@@ -195,10 +195,13 @@ class LiveBytes(TorchDispatchMode):
         for t in exclude:
             with contextlib.suppress(RuntimeError, NotImplementedError):
                 self._exclude.add(StorageWeakRef(t.untyped_storage()).cdata)
-        #: storage address -> (weak ref, bytes, serial: order of creation)
-        self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        #: storage address -> (weak ref, bytes, serial: order of creation, created aside)
+        self._live: dict[int, tuple[StorageWeakRef, int, int, bool]] = {}
         self._serial = 0
         self.bytes = 0
+        #: bytes of the live storages ops set aside created (the probe's results, held on
+        #: into the rest of the step): never part of ``outside_peak``
+        self.aside_bytes = 0
         self.peak = 0
         self.repeated_peak = 0
         self.outside_peak = 0
@@ -222,7 +225,7 @@ class LiveBytes(TorchDispatchMode):
         step's adjacency, built in the first layer) would be missed there."""
         gc.collect()
         self._sweep()
-        alive = sorted((serial, n) for _, n, serial in self._live.values())
+        alive = sorted((serial, n) for _, n, serial, _ in self._live.values())
         serials = [serial for serial, _ in alive]
         after = [0] * (len(alive) + 1)  # after[i]: bytes of alive[i:]
         for i in range(len(alive) - 1, -1, -1):
@@ -245,13 +248,17 @@ class LiveBytes(TorchDispatchMode):
         return 0 if window is None else window[1] - window[0]
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
+        dead = [k for k, (ref, _, _, _) in self._live.items() if ref.expired()]
         for k in dead:
-            self.bytes -= self._live.pop(k)[1]
+            _, n, _, aside = self._live.pop(k)
+            self.bytes -= n
+            if aside:
+                self.aside_bytes -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
+        aside = self._aside is not None and self._aside()
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
                 try:
@@ -261,19 +268,22 @@ class LiveBytes(TorchDispatchMode):
                 ref = StorageWeakRef(storage)
                 if ref.cdata not in self._live and ref.cdata not in self._exclude:
                     self._serial += 1
-                    self._live[ref.cdata] = (ref, storage.nbytes(), self._serial)
+                    self._live[ref.cdata] = (ref, storage.nbytes(), self._serial, aside)
                     self.bytes += storage.nbytes()
+                    if aside:
+                        self.aside_bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         if self._once is not None and self._once():
             return out
         self.repeated_peak = max(self.repeated_peak, self.bytes)
         if self._window is None:
-            if self._aside is not None and self._aside():
+            if aside:
                 return out
-            if self.bytes > self.outside_peak:
-                self.outside_peak = self.bytes
+            held = self.bytes - self.aside_bytes
+            if held > self.outside_peak:
+                self.outside_peak = held
                 self._high_serials.append(self._serial)
-                self._high_bytes.append(self.bytes)
+                self._high_bytes.append(held)
         else:
             self._window = (self._window[0], max(self._window[1], self.bytes))
         return out

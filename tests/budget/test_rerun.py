@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gact_graph import compress_gnn
+from gact_graph.budget import BudgetError
 from gact_graph.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,3 +184,91 @@ def test_budget_rectify_false_still_says_a_step_exceeded(monkeypatch):
     assert not ctl.budget.history[-1]["rectified"]
     assert "over budget" in ctl.report()
     ctl.remove()
+
+
+class _GCNII(torch.nn.Module):
+    """Stock PyG GCNII: ``GCN2Conv`` layers with ``cached=True`` (each layer keeps its own
+    normalized graph from the first step on), a ``Linear`` in and out, dropout."""
+
+    def __init__(self, layers: int, width: int = 32) -> None:
+        from torch_geometric.nn import GCN2Conv
+
+        super().__init__()
+        self.lin_in = torch.nn.Linear(16, width)
+        self.lin_out = torch.nn.Linear(width, 4)
+        self.convs = torch.nn.ModuleList(
+            GCN2Conv(width, 0.1, 0.5, i + 1, cached=True) for i in range(layers)
+        )
+
+    def forward(self, x, ei):
+        x0 = h = self.lin_in(F.dropout(x, 0.1, self.training)).relu()
+        for conv in self.convs:
+            h = conv(F.dropout(h, 0.1, self.training), x0, ei).relu()
+        return self.lin_out(h)
+
+
+def _counted_steps(steps: int = 3, **kw) -> tuple[list[int], object]:
+    """Every step's peak in counted tensor bytes (parameters, inputs and what earlier steps
+    left alive included, as the planner's counted meter sees them), GCNII-24 on 1,500 nodes."""
+    from gact_graph.budget.profile import PeakBytes
+
+    torch.manual_seed(0)
+    model = _GCNII(24)
+    x, ei, y = _graph(1500)
+    ei = torch.cat([ei, ei.flip(0)], 1)
+    static = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    static += sum(t.untyped_storage().nbytes() for t in (x, ei))
+    ctl = compress_gnn(model, **kw)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    table, peaks = {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            with PeakBytes(table) as counter:
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x, ei), y).backward()
+                opt.step()
+                ctl.iterate()
+            peaks.append(static + counter.peak)
+    planner = getattr(ctl, "budget", None)
+    ctl.remove()
+    return peaks, planner
+
+
+def test_the_profile_step_holds_no_more_than_the_fixed_one_bit_step(monkeypatch):
+    """The profile step (every tensor at 1 bit, the sensitivity probe, the layers' first
+    cached graphs) holds at most 1.2x what fixed 1-bit steps hold, counted the same way; a
+    budget the named figure admits is met in every step; and below what compressing alone
+    admits, the recompute profile's plan counts the cached graphs the first step built (once
+    left out: its planned steps held 26 MiB over the prediction, GCNII-32 on 4,000 nodes)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fixed1, _ = _counted_steps(bits=1, adaptive=False)
+    _, planner = _counted_steps(1, memory_budget="1GiB")
+    assert planner.history[0]["phase"] == "profile"
+    assert planner.history[0]["measured"] <= 1.2 * max(fixed1), (planner.history, fixed1)
+    named = planner.plan_state.least_budget
+    peaks, planner = _counted_steps(4, memory_budget=named)
+    assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
+    for h, counted in zip(planner.history, peaks):
+        assert h["measured"] <= named and counted <= named, (peaks, named)
+    # between: a recompute profile plans, with the cached graphs in what steps start with
+    budget = int(max(fixed1) * 1.02)
+    try:
+        peaks, planner = _counted_steps(5, memory_budget=budget)
+    except BudgetError as refused:  # where even that plan does not fit: a measured figure
+        assert refused.exact and refused.least_budget > budget
+        return
+    for h, counted in zip(planner.history, peaks):
+        if h["phase"] == "planned":
+            assert counted <= h["predicted"] * 1.05, (peaks, planner.history)
+
+
+@pytest.mark.xfail(strict=True, reason="the profile step's figure for later 1-bit steps "
+                   "counts ~0.5 MiB of the sensitivity probe's (GCNII-24, 1,500 nodes): a "
+                   "budget 2 % above fixed 2 bits' steps is refused; not solved yet")
+def test_a_budget_fixed_two_bits_meets_is_admitted(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fixed2, _ = _counted_steps(bits=2, adaptive=False)
+    budget = int(max(fixed2) * 1.02)
+    peaks, planner = _counted_steps(4, memory_budget=budget)
+    assert all(h["measured"] <= budget for h in planner.history)
