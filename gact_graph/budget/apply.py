@@ -243,6 +243,9 @@ class BudgetPlanner:
         self.swap: SwapManager | None = None
         self._swap_checked = False
         self.plans: dict[tuple, PlanState] = {}
+        #: per input structure (shapes less their leading sizes), the size classes' plans
+        self.classes: dict[tuple, list[PlanState]] = {}
+        self._scale = 1.0
         self.plan_state: PlanState | None = None
         #: input shapes whose first profile step (nothing recomputed) found no plan: their
         #: next step profiles with every segment recomputed. Value: the smallest budget that
@@ -351,7 +354,9 @@ class BudgetPlanner:
                 ctl.payload_wrapper = None
         signature = tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in inputs)
         self._reset_step()
-        state = self.plans.get(signature)
+        state, self._scale = self.plans.get(signature), 1.0
+        if state is None:
+            state, self._scale = self._size_class(signature)
         if state is None:
             self._phase = "profile"
             self._recomputing = bool(self.segments) and (
@@ -389,6 +394,59 @@ class BudgetPlanner:
             self._live.__enter__()
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
+
+    @staticmethod
+    def _structure(signature: tuple) -> tuple:
+        """A signature less its sizes (node, edge, batch counts): inputs that differ only
+        there (mini-batches) share a structure."""
+        return tuple((len(shape), dtype, dev) for shape, dtype, dev in signature)
+
+    @staticmethod
+    def _sizes(signature: tuple) -> tuple[int, ...]:
+        return tuple(n for shape, _, _ in signature for n in shape)
+
+    def _size_class(self, signature: tuple) -> tuple[PlanState | None, float]:
+        """The plan of a size class this input shape falls in, and by how much its sizes
+        exceed the profiled ones (1.0: not at all): what saved tensors, the transient and
+        the adjacency hold scales with the node and edge counts, so a plan profiled on a
+        batch holds at most that ratio more on another of its structure. A class admits a
+        shape whose scaled prediction still fits the budget (with the margin, or, for a
+        plan admitted by the profile step's measurement, within the budget); otherwise the
+        shape leaves every class and profiles a new one. The plan least predicted to hold
+        is taken; (None, 1.0) where none admits it."""
+        classes = self.classes.get(self._structure(signature), [])
+        sizes = self._sizes(signature)
+        best = None
+        for state in classes:
+            ref = self._sizes(state.signature)
+            scale = max(
+                [1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r]
+            )  # fmt: skip
+            if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
+                continue
+            held = state.rest + (state.predicted - state.rest) * scale
+            usable = self.budget if state.relaxed else self.budget * (1 - self.margin)
+            if scale > 1.0 and held > usable:
+                continue
+            if best is None or held < best[0]:
+                best = (held, state, scale)
+        if best is None:
+            return None, 1.0
+        classes.remove(best[1])  # most recently used last
+        classes.append(best[1])
+        return best[1], best[2]
+
+    def _add_class(self, state: PlanState) -> None:
+        """Keep ``state`` as a size class of its structure; at most `MAX_CLASSES` per
+        structure (the least recently used goes, with its exact-shape entry)."""
+        classes = self.classes.setdefault(self._structure(state.signature), [])
+        classes.append(state)
+        while len(classes) > self.MAX_CLASSES:
+            gone = classes.pop(0)
+            self.plans = {k: v for k, v in self.plans.items() if v is not gone}
+
+    #: plans kept per input structure (mini-batches whose sizes leave every class re-profile)
+    MAX_CLASSES = 8
 
     def _static_tensors(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What exists before a step and is counted in ``rest``: parameters, buffers, inputs."""
@@ -703,9 +761,11 @@ class BudgetPlanner:
                 self._pause_probes()
                 self.plans[self._signature] = state
                 self.plan_state = state
+                self._add_class(state)
             predicted = None
         else:
-            predicted = self.plan_state.predicted
+            state = self.plan_state
+            predicted = state.rest + math.ceil((state.predicted - state.rest) * self._scale)
         meter = self.meter
         judged = counted if meter == "bytes" else measured
         over = phase == "planned" and judged is not None and judged > self.budget

@@ -4,6 +4,7 @@ fresh process) is admitted and met in every step on the first retry, with and wi
 or reported, never silent; the report says which meter judged."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -263,12 +264,62 @@ def test_the_profile_step_holds_no_more_than_the_fixed_one_bit_step(monkeypatch)
             assert counted <= h["predicted"] * 1.05, (peaks, planner.history)
 
 
-@pytest.mark.xfail(strict=True, reason="the profile step's figure for later 1-bit steps "
-                   "counts ~0.5 MiB of the sensitivity probe's (GCNII-24, 1,500 nodes): a "
-                   "budget 2 % above fixed 2 bits' steps is refused; not solved yet")
-def test_a_budget_fixed_two_bits_meets_is_admitted(monkeypatch):
+def test_a_budget_fixed_two_bits_meets_is_admitted_and_met(monkeypatch):
+    """2 % above what fixed 2 bits holds in every step: admitted (once refused: what the
+    probe keeps through the step, per-row counts of every saved matrix, was counted as what
+    later 1-bit steps hold), and every planned step within it, counted independently too."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed2, _ = _counted_steps(bits=2, adaptive=False)
     budget = int(max(fixed2) * 1.02)
     peaks, planner = _counted_steps(4, memory_budget=budget)
-    assert all(h["measured"] <= budget for h in planner.history)
+    assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
+    # the planned steps within it; the profile step (its probe) within 1.2x fixed 1 bit's
+    # steps, which is above this budget: a budget this tight is met from the first plan on
+    fixed1, _ = _counted_steps(bits=1, adaptive=False)
+    assert peaks[0] <= 1.2 * max(fixed1)
+    for h, counted in zip(planner.history[1:], peaks[1:]):
+        assert h["measured"] <= budget and counted <= budget, (peaks, budget)
+
+
+def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
+    """RandomNodeLoader: every batch has other node and edge counts. After the first profile
+    step every step runs at its plan's bits (one plan for a size class: per-tensor bytes
+    scale with the counts, so a plan admits a batch whose scaled prediction still fits), and
+    the plans kept are bounded (once every batch was a 1-bit profile step with a plan of its
+    own, kept forever)."""
+    from torch_geometric.data import Data
+    from torch_geometric.loader import RandomNodeLoader
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    x, ei, y = _graph(8000)
+    loader = RandomNodeLoader(Data(x=x, edge_index=ei, y=y), num_parts=4, shuffle=True)
+    torch.manual_seed(0)
+    model = build_model("gcn", 16, 4, hidden_channels=128, num_layers=3, dropout=0.0)
+    ctl = compress_gnn(model, memory_budget="10MiB")  # tight enough to compress
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    planner, sizes, at_plan = ctl.budget, set(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            for batch in loader:
+                sizes.add((batch.num_nodes, batch.edge_index.size(1)))
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(batch.x, batch.edge_index), batch.y).backward()
+                opt.step()
+                ctl.iterate()
+                if planner.history[-1]["phase"] == "planned":
+                    small = ctl.config.min_numel  # tensors below it are never quantized
+                    records = [
+                        r for r in ctl.stats()["tensors"]
+                        if r["kind"] == "activation" and math.prod(r["shape"]) >= small
+                    ]  # fmt: skip
+                    at_plan.append(all(r["bits"] == planner.bits_for(r["name"]) for r in records))
+    phases = [h["phase"] for h in planner.history]
+    assert len(sizes) > 4  # the sizes do change
+    assert phases[0] == "profile" and phases[1:] == ["planned"] * 11, phases
+    assert all(at_plan) and len(at_plan) == 11 and len(records) >= 3
+    labels = {o.label for o in planner.plan_state.plan.choice.values()}
+    assert labels - {"keep"}, labels  # compressed: the bits checked are the plan's own
+    assert sum(len(c) for c in planner.classes.values()) <= planner.MAX_CLASSES
+    assert all(h["measured"] <= planner.budget for h in planner.history)
+    ctl.remove()
