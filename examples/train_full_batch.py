@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gact_graph import compress_gnn
+from gact_graph.config import parse_bytes
 from gact_graph.cpus import usable_cpus
 from gact_graph.datasets import (
     DATASETS,
@@ -128,6 +129,26 @@ def base_parser(
         action="store_true",
         help="same bits for every tensor (default: adaptive allocation)",
     )
+    p.add_argument(
+        "--memory-budget",
+        type=memory_budget_arg,
+        default=None,
+        help="keep every training step under this many bytes (an int, or e.g. '16GiB',\n"
+        "'512MB'): compress_gnn(memory_budget=...) plans per saved tensor; the JSON's\n"
+        "'memory_budget' says what it chose and measured",
+    )
+    p.add_argument(
+        "--policy",
+        choices=["adaptive", "acgc"],
+        default="adaptive",
+        help="'adaptive' (default: --bits is an average) or 'acgc' (bits from --loss-bound)",
+    )
+    p.add_argument(
+        "--loss-bound",
+        type=positive_float,
+        default=None,
+        help="--policy acgc: the bound on the gradient's added variance (relative)",
+    )
     p.add_argument("--root", default=None, help="dataset folder (default $GACT_GRAPH_DATA or data)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -160,7 +181,62 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     """``args`` once the checks argparse cannot make alone pass (else ``p.error``)."""
     if len(args.seeds) == 1 and args.seeds[0] < 1:
         p.error(f"argument --seeds: one number counts the seeds, at least 1, got {args.seeds[0]}")
+    if args.policy == "acgc" and args.loss_bound is None:
+        p.error("argument --policy acgc needs --loss-bound E (e.g. 0.01)")
+    if args.loss_bound is not None and args.policy != "acgc":
+        p.error("argument --loss-bound applies to --policy acgc only")
+    if args.bits is None and (args.memory_budget is not None or args.policy == "acgc"):
+        p.error("--memory-budget and --policy acgc compress: not with --bits fp32")
     return args
+
+
+def memory_budget_arg(text: str) -> int:
+    """``--memory-budget``: bytes, as ``compress_gnn(memory_budget=...)`` reads them."""
+    try:
+        n = parse_bytes(int(text) if text.strip().isdigit() else text)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return n
+
+
+def compress_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`compress_gnn`'s keywords for the flags (``--bits``, ``--fixed-bits``, ``--policy``,
+    ``--loss-bound``, ``--memory-budget``)."""
+    kw: dict[str, Any] = {"bits": args.bits, "adaptive": not args.fixed_bits}
+    if args.policy != "adaptive":
+        kw.update(policy=args.policy, loss_bound=args.loss_bound)
+    if args.memory_budget is not None:
+        kw["memory_budget"] = args.memory_budget
+    return kw
+
+
+def budget_record(ctl) -> dict[str, Any] | None:
+    """What the memory-budget planner chose and measured (None without a budget): the budget,
+    the meter that judged, the plan per unit, its prediction, the smallest feasible budget,
+    and every step's phase, predicted and measured bytes."""
+    planner = getattr(ctl, "budget", None)
+    if planner is None:
+        return None
+    state = planner.plan_state
+    steps = [
+        {k: h.get(k) for k in ("step", "phase", "predicted", "measured", "resident", "rectified")}
+        for h in planner.history
+    ]
+    planned = [h["measured"] for h in steps if h["phase"] == "planned" and h["measured"]]
+    return {
+        "budget_bytes": planner.budget,
+        "meter": planner.meter,
+        "plan": None if state is None else {n: o.label for n, o in state.plan.choice.items()},
+        "predicted_bytes": None if state is None else int(state.predicted),
+        "least_budget_bytes": None if state is None else int(state.least_budget),
+        "relaxed": None if state is None else state.relaxed,
+        "profiles": planner.profiles,
+        "worst_planned_bytes": max(planned) if planned else None,
+        "worst_step_bytes": max((h["measured"] or 0) for h in steps) if steps else None,
+        "steps": steps,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,7 +304,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         return loss
 
     bits = args.bits
-    ctl = None if bits is None else compress_gnn(model, bits=bits, adaptive=not args.fixed_bits)
+    ctl = None if bits is None else compress_gnn(model, **compress_options(args))
 
     best = {"val": -math.inf, "epoch": -1}
     stats = None
@@ -267,8 +343,9 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
                 break
     bar.close()
 
-    adapt = None
+    adapt = budget = None
     if ctl is not None:
+        budget = budget_record(ctl)
         act_stored = stats["total"]["stored_bytes"]
         if ctl.adapter is not None:  # what adaptation cost, over the whole run
             adapt = {
@@ -298,6 +375,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         "activation_bytes_stored": int(act_stored),
         "epoch_time_s": statistics.fmean(timed),
         "adaptation": adapt,
+        "memory_budget": budget,
     }
 
 
@@ -372,7 +450,12 @@ def bits_label(args: argparse.Namespace) -> str:
     """``fp32`` or e.g. ``2 bits adaptive``: what the run compresses to, for the header."""
     if args.bits is None:
         return "fp32"
-    return f"{args.bits} bits" + (" fixed" if args.fixed_bits else " adaptive")
+    label = f"{args.bits} bits" + (" fixed" if args.fixed_bits else " adaptive")
+    if args.policy == "acgc":
+        label = f"acgc, loss bound {args.loss_bound}"
+    if args.memory_budget is not None:
+        label += f", memory budget {_mib(args.memory_budget)}"
+    return label
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -180,7 +180,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
     loader, seeds_of = make_loader(args, data, cfg, seed)
     ctl = None
     if args.bits is not None:
-        ctl = compress_gnn(model, bits=args.bits, adaptive=not args.fixed_bits)
+        ctl = compress_gnn(model, **full.compress_options(args))
 
     best = {"val": -math.inf, "epoch": -1}
     step_times, epoch_times = [], []
@@ -243,8 +243,9 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
             break
     bar.close()
 
-    adapt = None
+    adapt = budget = None
     if ctl is not None:
+        budget = full.budget_record(ctl)
         if ctl.adapter is not None:
             adapt = {
                 "overhead": ctl.adapter.overhead(),
@@ -281,6 +282,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         "step_time_s": statistics.fmean(step_times),
         "batches_per_epoch": len(step_times) // max(1, len(epoch_times)),
         "adaptation": adapt,
+        "memory_budget": budget,
     }
 
 

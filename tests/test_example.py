@@ -104,6 +104,11 @@ def test_bits_parsing(example):
         (["--dataset", "nosuch"], "argument --dataset: unknown dataset 'nosuch'; choose from"),
         (["--dataset", "synthetic-nosuch"], "argument --dataset: unknown dataset 'synthetic-"),
         (["--seeds", "0"], "argument --seeds: one number counts the seeds, at least 1, got 0"),
+        (["--memory-budget", "lots"], "argument --memory-budget: memory_budget 'lots' is not"),
+        (["--memory-budget", "0"], "argument --memory-budget: memory_budget must be positive"),
+        (["--policy", "acgc"], "argument --policy acgc needs --loss-bound E"),
+        (["--loss-bound", "0.01"], "argument --loss-bound applies to --policy acgc only"),
+        (["--bits", "fp32", "--memory-budget", "1GiB"], "--memory-budget and --policy acgc"),
     ],
 )
 def test_bad_arguments_are_usage_errors(example, capsys, args, message):
@@ -139,3 +144,30 @@ def test_threads_default_to_the_usable_cpus(example, torch_threads, monkeypatch,
     torch_threads.set_num_threads(3)
     example.main(["--num-nodes", "200", "--epochs", "1", "--hidden", "8", "--no-progress"] + flag)
     assert torch_threads.get_num_threads() == expected
+
+
+def test_memory_budget_and_acgc_flags_as_the_library_takes_them(example, tmp_path):
+    """``--memory-budget`` (bytes or '16GiB') and ``--policy acgc --loss-bound E`` reach
+    `compress_gnn` as its own arguments; the JSON records what the planner chose and
+    measured, every earlier key kept."""
+    assert example.memory_budget_arg("16GiB") == 16 * 2**30
+    assert example.memory_budget_arg("123456") == 123456
+    path = tmp_path / "budget.json"
+    summary = example.main([
+        "--num-nodes", "300", "--epochs", "3", "--hidden", "8", "--no-progress",
+        "--memory-budget", "1GiB", "--json", str(path),
+    ])  # fmt: skip
+    _check_summary(summary, [0])
+    record = json.loads(path.read_text())["per_seed"][0]["memory_budget"]
+    assert record["budget_bytes"] == 2**30 and record["meter"] in ("bytes", "rss", "cuda")
+    assert record["plan"] and record["predicted_bytes"] > 0 and record["least_budget_bytes"] > 0
+    assert [s["phase"] for s in record["steps"]] == ["profile", "planned", "planned"]
+    assert 0 < record["worst_planned_bytes"] <= record["budget_bytes"]
+    assert summary["args"]["memory_budget"] == 2**30
+    summary = example.main([
+        "--num-nodes", "300", "--epochs", "2", "--hidden", "8", "--no-progress",
+        "--policy", "acgc", "--loss-bound", "0.05",
+    ])  # fmt: skip
+    _check_summary(summary, [0])
+    assert summary["per_seed"][0]["memory_budget"] is None
+    assert summary["args"]["policy"] == "acgc" and summary["args"]["loss_bound"] == 0.05

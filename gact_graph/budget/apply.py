@@ -93,6 +93,7 @@ from gact_graph.budget.planner import (
 from gact_graph.budget.profile import (
     CodecTimer,
     LiveBytes,
+    PeakBytes,
     StepMeter,
     TensorInfo,
     compressed_bytes,
@@ -242,6 +243,9 @@ class BudgetPlanner:
         self.swap: SwapManager | None = None
         self._swap_checked = False
         self.plans: dict[tuple, PlanState] = {}
+        #: per input structure (shapes less their leading sizes), the size classes' plans
+        self.classes: dict[tuple, list[PlanState]] = {}
+        self._scale = 1.0
         self.plan_state: PlanState | None = None
         #: input shapes whose first profile step (nothing recomputed) found no plan: their
         #: next step profiles with every segment recomputed. Value: the smallest budget that
@@ -249,7 +253,9 @@ class BudgetPlanner:
         #: raise, and its own peak (a rerun runs that step first)
         self.compress_profiled: dict[tuple, tuple[int, str, int]] = {}
         self._recomputing = False  # whether this profile step recomputes every segment
-        self._carried_before = 0  # what an earlier CPU profile step carried into later steps
+        #: bytes of the ledger alive when this profile step started (CPU): what earlier steps
+        #: left (optimizer state, a layer's own cached graph), which it does not create again
+        self._ledger_start = 0
         self.history: list[dict[str, Any]] = []
         self.profiles = 0
         self._phase: str | None = None  # "profile" / "planned" during a step, else None
@@ -258,6 +264,13 @@ class BudgetPlanner:
         self._base: int | None = None
         self._timer: CodecTimer | None = None
         self._seg_of: dict[str, str | None] = {}
+        #: the counted meter's ledger: storages steps created that are still alive (what a
+        #: later step starts with beyond parameters and inputs), address -> (weak ref, bytes)
+        self._ledger: dict[int, tuple[Any, int]] = {}
+        self._counter: PeakBytes | None = None
+        self._device: torch.device | None = None
+        self._warned_resident = False
+        self._last_counter: PeakBytes | None = None
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -341,7 +354,9 @@ class BudgetPlanner:
                 ctl.payload_wrapper = None
         signature = tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in inputs)
         self._reset_step()
-        state = self.plans.get(signature)
+        state, self._scale = self.plans.get(signature), 1.0
+        if state is None:
+            state, self._scale = self._size_class(signature)
         if state is None:
             self._phase = "profile"
             self._recomputing = bool(self.segments) and (
@@ -360,18 +375,78 @@ class BudgetPlanner:
         self._meter = StepMeter(device)
         self._meter.begin()
         self._live = None
+        self._device = device
+        self._counter = None
+        if self._phase == "planned" and self.meter == "bytes":
+            # the counted meter judges this step: what it creates, on top of what earlier
+            # steps left alive (the ledger)
+            self._counter = PeakBytes(self._ledger)
+            self._counter.__enter__()
         if self._phase == "profile" and device.type != "cuda":
             # CPU: count live tensor bytes through the profile step; the probe's partial
             # backwards (run under `lean_backward`) are kept out of the backward transient,
             # since planned steps do not probe, and once-per-graph work out of everything a
             # later step is predicted to hold, since it finds that work's result cached
+            self._ledger_start = PeakBytes(self._ledger).alive()
             self._live = LiveBytes(
                 aside=is_lean, exclude=self._static_tensors(inputs), once=is_once_per_graph
             )
             self._live.__enter__()
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
-        self._device = device
+
+    @staticmethod
+    def _structure(signature: tuple) -> tuple:
+        """A signature less its sizes (node, edge, batch counts): inputs that differ only
+        there (mini-batches) share a structure."""
+        return tuple((len(shape), dtype, dev) for shape, dtype, dev in signature)
+
+    @staticmethod
+    def _sizes(signature: tuple) -> tuple[int, ...]:
+        return tuple(n for shape, _, _ in signature for n in shape)
+
+    def _size_class(self, signature: tuple) -> tuple[PlanState | None, float]:
+        """The plan of a size class this input shape falls in, and by how much its sizes
+        exceed the profiled ones (1.0: not at all): what saved tensors, the transient and
+        the adjacency hold scales with the node and edge counts, so a plan profiled on a
+        batch holds at most that ratio more on another of its structure. A class admits a
+        shape whose scaled prediction still fits the budget (with the margin, or, for a
+        plan admitted by the profile step's measurement, within the budget); otherwise the
+        shape leaves every class and profiles a new one. The plan least predicted to hold
+        is taken; (None, 1.0) where none admits it."""
+        classes = self.classes.get(self._structure(signature), [])
+        sizes = self._sizes(signature)
+        best = None
+        for state in classes:
+            ref = self._sizes(state.signature)
+            scale = max(
+                [1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r]
+            )  # fmt: skip
+            if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
+                continue
+            held = state.rest + (state.predicted - state.rest) * scale
+            usable = self.budget if state.relaxed else self.budget * (1 - self.margin)
+            if scale > 1.0 and held > usable:
+                continue
+            if best is None or held < best[0]:
+                best = (held, state, scale)
+        if best is None:
+            return None, 1.0
+        classes.remove(best[1])  # most recently used last
+        classes.append(best[1])
+        return best[1], best[2]
+
+    def _add_class(self, state: PlanState) -> None:
+        """Keep ``state`` as a size class of its structure; at most `MAX_CLASSES` per
+        structure (the least recently used goes, with its exact-shape entry)."""
+        classes = self.classes.setdefault(self._structure(state.signature), [])
+        classes.append(state)
+        while len(classes) > self.MAX_CLASSES:
+            gone = classes.pop(0)
+            self.plans = {k: v for k, v in self.plans.items() if v is not gone}
+
+    #: plans kept per input structure (mini-batches whose sizes leave every class re-profile)
+    MAX_CLASSES = 8
 
     def _static_tensors(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What exists before a step and is counted in ``rest``: parameters, buffers, inputs."""
@@ -436,13 +511,41 @@ class BudgetPlanner:
         self._recomputed_peak = max(self._recomputed_peak, held)
 
     def _end_live(self) -> LiveBytes | None:
-        """Take the profile step's `LiveBytes` mode off the dispatch stack (it is pushed when
-        the profile forward starts and normally popped by ``iterate``): left on, it would slow
-        every later op of the process by walking the live-tensor table."""
+        """Take the profile step's `LiveBytes` mode (and a planned step's `PeakBytes`) off the
+        dispatch stack (pushed when the step's forward starts and normally popped by
+        ``iterate``): left on, it would slow every later op of the process."""
+        counter, self._counter = self._counter, None
         live, self._live = self._live, None
-        if live is not None:
+        if counter is not None and live is None:
+            counter.__exit__(None, None, None)
+        elif live is not None and counter is None:
             live.__exit__(None, None, None)
+        elif live is not None:  # both (never pushed together): pop in reverse order
+            live.__exit__(None, None, None)
+            counter.__exit__(None, None, None)
+        self._last_counter = counter
         return live
+
+    @property
+    def meter(self) -> str:
+        """Which meter judges a step against the budget: ``"cuda"`` (``max_memory_allocated``),
+        ``"rss"`` (CPU: the anonymous resident set, where it follows live bytes: glibc returns
+        freed memory with ``MALLOC_MMAP_THRESHOLD_`` set, or ``budget_rectify=True`` says to
+        trust it) or ``"bytes"`` (CPU otherwise: tensor bytes counted at every op of a planned
+        step, what the plan is made in; the resident set keeps what glibc does not return)."""
+        device = self._device
+        if device is not None and device.type == "cuda":
+            return "cuda"
+        if self.rectify is True or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+            return "rss"
+        return "bytes"
+
+    METERS = {
+        "cuda": "CUDA max_memory_allocated",
+        "rss": "anonymous resident set above the process before training",
+        "bytes": "tensor bytes counted at every op (parameters, inputs and what steps left "
+        "alive included)",
+    }
 
     def _after_forward(self, module, args, output) -> None:
         if self._phase is None or is_lean():
@@ -508,13 +611,23 @@ class BudgetPlanner:
         return largest + sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
     def _check_lower_bound(self) -> None:
-        """End of a profile step's forward: can any plan fit? Only shapes are known here (what
-        segments save inside: their holders' shapes), so this is a lower bound: every tensor
-        at 1 bit, every segment recomputed. Where a recompute profile may still follow, what
-        segments save is left out (recomputed, a segment may hold only its inputs)."""
-        tensors = self._records()
+        """End of a profile step's forward: a lower bound on what any plan holds. Only shapes
+        are known here (what segments save inside: their holders' shapes): every tensor at 1
+        bit, every segment recomputed. Where a recompute profile may still follow, what
+        segments save is left out (recomputed, a segment may hold only its inputs), but the
+        largest saved tensor, wherever it is saved, is dequantized (or recomputed) in fp32 in
+        backward either way.
+
+        The bound refuses nothing by itself: a refusal names a budget at which a rerun is
+        admitted, and only the finished profile step measures that (a bound from shapes named
+        15.32 MiB for PyG's GCN on Cora, whose least admitted budget is about 47 MiB). The
+        step runs to its end at the least setting and the refusal comes at ``ctl.iterate()``
+        with the measured figure. On CUDA, where the bound exceeds the device's whole memory
+        (the profile step cannot run), it raises here, naming the bound as a bound."""
+        every = self._records()
+        tensors = every
         if self._may_recompute_next():
-            tensors = [t for t in tensors if not self._in_segment(t)]
+            tensors = [t for t in every if not self._in_segment(t)]
         inner = []
         for metas in self._meta.values():
             for shape, dtype, _device in metas:
@@ -528,23 +641,29 @@ class BudgetPlanner:
             if t.quantizable
         )
         rest = self._rest()
-        floor = self._transient_lower_bound(tensors + inner)
+        floor = self._transient_lower_bound(every + inner)
         # no margin: the profile step's own setting is admitted at its measured peak, which
         # this bound may not exceed
         need = rest + fixed + held + floor
         self._lower_bound = need
-        if need > self.budget:
-            self._phase = None
-            self._end_live()
-            raise BudgetError(
-                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
-                f"every saved tensor at {low_bits} bit(s) and every segment recomputed needs at "
-                f"least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
-                f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}); the "
-                f"smallest feasible budget is at least {format_bytes(need)}",
-                need,
-                exact=False,
-            )
+        device = self._device
+        if need > self.budget and device is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if need > total:
+                self._phase = None
+                self._end_live()
+                raise BudgetError(
+                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
+                    f"every saved tensor at {low_bits} bit(s) and every segment recomputed "
+                    f"needs at least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
+                    f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}), "
+                    f"more than the device's {format_bytes(total)}: the smallest feasible "
+                    f"budget is at least {format_bytes(need)}, a lower bound from the "
+                    "forward's shapes (the profile step that would measure the admissible "
+                    "figure cannot run on this device)",
+                    need,
+                    exact=False,
+                )
 
     def _may_recompute_next(self) -> bool:
         """Whether this profile step recomputes nothing but a recompute profile may follow."""
@@ -569,19 +688,32 @@ class BudgetPlanner:
             measured = peak
         else:
             measured = peak - self._base
+        resident = None if self._device.type == "cuda" else measured
+        counted = None
+        counter = self._last_counter
+        if counter is not None:  # the counted meter (a planned step)
+            counted = self._static + counter.peak
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
             growth = outside = None
             once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
-            carried_at_start = self._carried_before  # what an earlier profile step left
+            carried_at_start = self._ledger_start  # what earlier steps left alive
+            alive_all = None
             if live is not None:
                 growth, outside = live.repeated_peak, live.outside_peak
                 once_only = live.peak - live.repeated_peak
-                # a later profile step (a new shape, a recompute profile) starts with what
-                # an earlier one carried (the optimizer state) and does not create it again
-                self._carried = max(live.created_after_peak(), self._carried_before)
-                self._carried_before = self._carried
+                # a later step starts with what earlier steps left alive (the ledger: the
+                # optimizer state, PyG's per-layer cached graphs of ``cached=True``) and what
+                # this one created after its peak; a later profile step (a new shape, a
+                # recompute profile) does not create the former again (once it was left out
+                # there: 32 GCN2Conv layers' own caches, 28 MiB, were missing from the plan a
+                # recompute profile made, and its planned steps held 26 MiB over the prediction)
+                self._carried = carried_at_start + live.created_after_peak()
+                for key, (ref, nbytes, _, _) in live._live.items():
+                    if not ref.expired():
+                        self._ledger[key] = (ref, nbytes)
+                alive_all = PeakBytes(self._ledger).alive()
             elif peak is not None:
                 growth = peak - self._meter.start
             profile_peak = None
@@ -604,13 +736,13 @@ class BudgetPlanner:
                 # step's, once-per-graph work included: compared with the whole step's count
                 correction = max(0, measured - probe - once_only - profile_peak)
                 now = self._meter.current()
-                if now is not None and live is not None and self._base is not None:
+                if now is not None and alive_all is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
                     # (the C allocator's retained chunks): later steps start with it, the
                     # first did not (64-layer GCNII, 8,000 nodes: 16 MiB at rest after
                     # the profile step, whose own peak held 2.4 MiB beyond its tensors;
                     # the planned steps then held 13 MiB beyond theirs)
-                    retained = now - self._base - self._static - live.alive()
+                    retained = now - self._base - self._static - alive_all
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
             # the step's own peak, probe and build included: a rerun's profile step does it all
@@ -622,42 +754,74 @@ class BudgetPlanner:
                 whole = None if growth is None else self._rest() + growth
             if whole is not None and measured is not None and self._rectifies():
                 whole = max(whole, measured)
+            if self.meter == "bytes":
+                counted = whole
             state = self._plan_from_profile(growth, outside, profile_peak, correction, whole)
             if state is not None:
                 self._pause_probes()
                 self.plans[self._signature] = state
                 self.plan_state = state
+                self._add_class(state)
             predicted = None
         else:
-            predicted = self.plan_state.predicted
-        rectified = (
-            phase == "planned"
-            and measured is not None
-            and measured > self.budget
-            and self._rectifies()
-        )
+            state = self.plan_state
+            predicted = state.rest + math.ceil((state.predicted - state.rest) * self._scale)
+        meter = self.meter
+        judged = counted if meter == "bytes" else measured
+        over = phase == "planned" and judged is not None and judged > self.budget
+        rectified = over and self.rectify is not False
         self.history.append(
             {
                 "step": ctl.step,
                 "phase": phase,
                 "predicted": predicted,
-                "measured": measured,
+                "measured": judged,
+                "meter": meter,
+                "resident": resident,
+                "counted": counted,
                 "accounted": accounted,
                 "rectified": rectified,
             }
         )
         del self.history[:-256]
         if rectified:
-            self._rectify(self.plan_state, measured)
+            self._rectify(self.plan_state, judged)
+        elif over:  # budget_rectify=False: said, not re-planned
+            warnings.warn(
+                f"gact_graph: memory_budget={format_bytes(self.budget)}: step {ctl.step} "
+                f"measured {format_bytes(judged)} ({self.METERS[meter]}) against a predicted "
+                f"{format_bytes(predicted)}; not re-planned (budget_rectify=False)",
+                stacklevel=2,
+            )
+        if (
+            phase == "planned"
+            and meter == "bytes"
+            and resident is not None
+            and resident > self.budget
+            and not over
+            and not self._warned_resident
+        ):
+            self._warned_resident = True
+            warnings.warn(
+                f"gact_graph: memory_budget={format_bytes(self.budget)}: step {ctl.step} held "
+                f"{format_bytes(counted)} of tensors, within the budget, but the process's "
+                f"anonymous resident set rose {format_bytes(resident)} above where training "
+                "started: glibc keeps memory the steps freed. The budget is judged in counted "
+                "tensor bytes here; with MALLOC_MMAP_THRESHOLD_=65536 in the environment "
+                "(set before Python starts) glibc returns it and the resident set judges "
+                "(budget_rectify=True trusts it without)",
+                stacklevel=2,
+            )
 
     def _rectifies(self) -> bool:
-        """Whether a measured peak is trusted enough to re-plan on (see the module docstring):
-        CUDA's allocator counts live bytes; on CPU the resident set does only when glibc
-        returns freed memory, which ``MALLOC_MMAP_THRESHOLD_`` (read at process start) makes
-        it do for every tensor above that size."""
-        if self.rectify != "auto":
-            return bool(self.rectify)
-        return self._device.type == "cuda" or "MALLOC_MMAP_THRESHOLD_" in os.environ
+        """Whether the device's own meter (CUDA's allocator, the CPU resident set) is trusted
+        to seed the profile's correction with what it saw beyond the counted tensors: CUDA's
+        allocator counts live bytes; on CPU the resident set does only when glibc returns
+        freed memory, which ``MALLOC_MMAP_THRESHOLD_`` (read at process start) makes it do for
+        every tensor above that size. ``budget_rectify=False`` trusts nothing."""
+        if self.rectify is False:
+            return False
+        return self.meter in ("cuda", "rss")
 
     def _rectify(self, state: PlanState, measured: int) -> None:
         """A planned step measured ``measured`` bytes, above the budget: add the miss to the
@@ -932,7 +1096,10 @@ class BudgetPlanner:
     def report(self) -> str:
         """The plan per unit and predicted vs measured peak per step."""
         state = self.plan_state
-        lines = [f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%})"]
+        lines = [
+            f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%}); judged by "
+            f"{self.METERS[self.meter]} ({self.meter})"
+        ]
         if state is None:
             lines.append("no plan yet: the first training step profiles")
             return "\n".join(lines)
@@ -977,16 +1144,22 @@ class BudgetPlanner:
                 f"{(o.resident + o.transient) / 2**20:>9.3f}"
             )
         lines.append(
-            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'accounted':>12}"
+            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'meter':>6} "
+            f"{'resident':>12} {'accounted':>12}"
         )
+
+        def fmt(v):
+            return "-" if v is None else format_bytes(v)
+
         for h in self.history[-10:]:
-            pred = "-" if h["predicted"] is None else format_bytes(h["predicted"])
-            meas = "-" if h["measured"] is None else format_bytes(h["measured"])
+            over = h["measured"] is not None and h["measured"] > self.budget
             lines.append(
-                f"{h['step']:>6} {h['phase']:<8} {pred:>12} {meas:>12} "
-                f"{format_bytes(h['accounted']):>12}"
-                + ("  over budget: re-planned" if h.get("rectified") else "")
-            )
+                f"{h['step']:>6} {h['phase']:<8} {fmt(h['predicted']):>12} "
+                f"{fmt(h['measured']):>12} {h.get('meter', '-'):>6} "
+                f"{fmt(h.get('resident')):>12} {format_bytes(h['accounted']):>12}"
+                + ("  over budget: re-planned" if h.get("rectified")
+                   else "  over budget" if over and h["phase"] == "planned" else "")
+            )  # fmt: skip
         return "\n".join(lines)
 
 

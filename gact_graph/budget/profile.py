@@ -20,7 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
 
-__all__ = ["TensorInfo", "StepMeter", "CodecTimer", "LiveBytes", "compressed_bytes"]
+__all__ = [
+    "TensorInfo",
+    "StepMeter",
+    "CodecTimer",
+    "LiveBytes",
+    "PeakBytes",
+    "compressed_bytes",
+]
 
 
 def compressed_bytes(shape: tuple[int, ...], bits: int, group_size: int) -> int:
@@ -43,23 +50,40 @@ class TensorInfo:
     uses: int = 1  # saved this many times in one forward (shared: its own unit)
 
 
-def _rss(field: str) -> int:
+def _status(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` in bytes (a field the kernel does not report reads 0;
+    OSError where the file cannot be read)."""
+    out = dict.fromkeys(fields, 0)
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
+            name = line.split(":", 1)[0]
+            if name in out:
+                out[name] = int(line.split()[1]) * 1024
+    if not any(out.values()):
+        raise OSError(f"none of {fields} in /proc/self/status")
+    return out
+
+
+def _anonymous(total: str) -> int:
+    """``total`` (VmRSS or VmHWM) less the file-backed and shared pages resident now."""
+    st = _status(total, "RssFile", "RssShmem")
+    return st[total] - st["RssFile"] - st["RssShmem"]
 
 
 class StepMeter:
     """Peak memory of one training step, from the root forward's start to ``ctl.iterate()``.
 
     CUDA: ``max_memory_allocated`` (absolute; ``start`` is ``memory_allocated`` then). CPU: the
-    process's resident set (VmHWM, reset at the start through ``/proc/self/clear_refs``);
-    ``start`` is VmRSS then. On CPU the resident set follows live bytes only when the C
-    allocator returns freed memory (``MALLOC_MMAP_THRESHOLD_``); otherwise a step can reuse
-    memory freed before it and the growth reads low, which the planner's lower bound on the
-    transient covers.
+    process's anonymous resident memory: VmHWM (reset at the start through
+    ``/proc/self/clear_refs``) less the file-backed and shared pages resident when it is read;
+    ``start`` is the anonymous resident set then. File-backed pages are left out because they
+    are the libraries' code and read-only data, paged in as an op first runs (a fresh process's
+    first steps page in megabytes of it) and dropped by the kernel under pressure: no tensor
+    or allocation of the step. Since file pages only grow during a step, subtracting the
+    count read at the end never overstates the step's anonymous peak. On CPU the resident set
+    follows live bytes only when the C allocator returns freed memory
+    (``MALLOC_MMAP_THRESHOLD_``); otherwise a step can reuse memory freed before it, and glibc
+    keeps what it freed (`BudgetPlanner` then judges steps by counted tensor bytes).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -76,28 +100,28 @@ class StepMeter:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self.start = _rss("VmRSS")
+            self.start = _anonymous("VmRSS")
         except OSError:  # not Linux, or no permission: no measurement, the bound stands
             self.available = False
 
     def current(self) -> int | None:
-        """The resident set now (CPU; None on CUDA or where it cannot be read)."""
+        """The anonymous resident set now (CPU; None on CUDA or where it cannot be read)."""
         if self.device.type == "cuda" or not self.available:
             return None
         with contextlib.suppress(OSError):
-            return _rss("VmRSS")
+            return _anonymous("VmRSS")
         return None
 
     def peak(self) -> int | None:
-        """The step's peak: absolute on CUDA, the resident set's high-water mark on CPU
-        (None where it cannot be read)."""
+        """The step's peak: absolute on CUDA, the anonymous resident set's high-water mark on
+        CPU (None where it cannot be read)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         if not self.available:
             return None
         with contextlib.suppress(OSError):
-            return _rss("VmHWM")
+            return _anonymous("VmHWM")
         return None
 
 
@@ -171,10 +195,13 @@ class LiveBytes(TorchDispatchMode):
         for t in exclude:
             with contextlib.suppress(RuntimeError, NotImplementedError):
                 self._exclude.add(StorageWeakRef(t.untyped_storage()).cdata)
-        #: storage address -> (weak ref, bytes, serial: order of creation)
-        self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        #: storage address -> (weak ref, bytes, serial: order of creation, created aside)
+        self._live: dict[int, tuple[StorageWeakRef, int, int, bool]] = {}
         self._serial = 0
         self.bytes = 0
+        #: bytes of the live storages ops set aside created (the probe's results, held on
+        #: into the rest of the step): never part of ``outside_peak``
+        self.aside_bytes = 0
         self.peak = 0
         self.repeated_peak = 0
         self.outside_peak = 0
@@ -198,7 +225,7 @@ class LiveBytes(TorchDispatchMode):
         step's adjacency, built in the first layer) would be missed there."""
         gc.collect()
         self._sweep()
-        alive = sorted((serial, n) for _, n, serial in self._live.values())
+        alive = sorted((serial, n) for _, n, serial, _ in self._live.values())
         serials = [serial for serial, _ in alive]
         after = [0] * (len(alive) + 1)  # after[i]: bytes of alive[i:]
         for i in range(len(alive) - 1, -1, -1):
@@ -221,13 +248,17 @@ class LiveBytes(TorchDispatchMode):
         return 0 if window is None else window[1] - window[0]
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
+        dead = [k for k, (ref, _, _, _) in self._live.items() if ref.expired()]
         for k in dead:
-            self.bytes -= self._live.pop(k)[1]
+            _, n, _, aside = self._live.pop(k)
+            self.bytes -= n
+            if aside:
+                self.aside_bytes -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
+        aside = self._aside is not None and self._aside()
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
                 try:
@@ -237,19 +268,82 @@ class LiveBytes(TorchDispatchMode):
                 ref = StorageWeakRef(storage)
                 if ref.cdata not in self._live and ref.cdata not in self._exclude:
                     self._serial += 1
-                    self._live[ref.cdata] = (ref, storage.nbytes(), self._serial)
+                    self._live[ref.cdata] = (ref, storage.nbytes(), self._serial, aside)
                     self.bytes += storage.nbytes()
+                    if aside:
+                        self.aside_bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
         if self._once is not None and self._once():
             return out
         self.repeated_peak = max(self.repeated_peak, self.bytes)
         if self._window is None:
-            if self._aside is not None and self._aside():
+            if aside:
                 return out
-            if self.bytes > self.outside_peak:
-                self.outside_peak = self.bytes
+            held = self.bytes - self.aside_bytes
+            if held > self.outside_peak:
+                self.outside_peak = held
                 self._high_serials.append(self._serial)
-                self._high_bytes.append(self.bytes)
+                self._high_bytes.append(held)
         else:
             self._window = (self._window[0], max(self._window[1], self.bytes))
+        return out
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of the CPU tensors created while it is active and still alive, for planned
+    steps (the counted meter): cheaper than `LiveBytes`, which also keeps windows and the
+    order of creation. The live table is swept only when its running total, which counts
+    new storages and frees nothing until a sweep, exceeds the peak: the true total can only
+    exceed the peak then, so the peak is exact while most ops skip the sweep.
+
+    An op's output that shares its storage with one of the op's inputs (a view, an in-place
+    update such as the optimizer's, ``out=``) is not a new storage and is not counted: what
+    existed before the step is counted apart (`BudgetPlanner` keeps a ledger of it).
+    ``table`` (storage address -> (weak ref, bytes)) receives what it counts, so that what a
+    step leaves alive can be carried into the next step's ledger."""
+
+    def __init__(self, table: dict[int, tuple[StorageWeakRef, int]] | None = None) -> None:
+        super().__init__()
+        self.table: dict[int, tuple[StorageWeakRef, int]] = {} if table is None else table
+        self._sweep()
+        self.start = self.bytes
+        self.peak = self.bytes
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self.table.items() if ref.expired()]
+        for k in dead:
+            del self.table[k]
+        self.bytes = sum(n for _, n in self.table.values())
+
+    def alive(self) -> int:
+        gc.collect()
+        self._sweep()
+        return self.bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = set()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    inputs.add(StorageWeakRef(t.untyped_storage()).cdata)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                ref = StorageWeakRef(storage)
+                if ref.cdata in inputs:
+                    continue
+                known = self.table.get(ref.cdata)
+                if known is not None:
+                    if not known[0].expired():
+                        continue
+                    self.bytes -= known[1]  # a freed storage's address, reused
+                self.table[ref.cdata] = (ref, storage.nbytes())
+                self.bytes += storage.nbytes()
+        if self.bytes > self.peak:
+            self._sweep()
+            self.peak = max(self.peak, self.bytes)
         return out

@@ -598,7 +598,9 @@ class SensitivityProbe:
         p = getattr(stored, "payload", None)
         if isinstance(p, QTensor) and stored not in self._kappa:
             t0 = time.perf_counter()
-            with torch.no_grad():
+            # the probe's own work (`lean_backward` marks it so): what it keeps here lives
+            # until the probe's estimate, which a step without the probe never holds
+            with torch.no_grad(), lean_backward():
                 seed = _stable_seed(self.seed, stored.name, "kappa")
                 kappa = rounding_variance_factor(t, p, seed=seed)
                 # the replay draws its noise on the non-zeros of the dequantized copy

@@ -21,6 +21,7 @@ from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAG
 from torch_geometric.nn.aggr import MeanAggregation, SumAggregation
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
+from gact_graph.once import once_per_graph
 from gact_graph.sparse.adjacency import (
     differentiable_edge_weight,
     get_adjacency,
@@ -140,17 +141,19 @@ def _gcn_adjacency(ctl, module, edge_index, edge_weight, n: int, dtype, improved
         # the module's own cache filled exactly as PyG would, so remove() continues seamlessly.
         if is_sparse_tensor(edge_index):
             if module._cached_adj_t is None:
-                module._cached_adj_t = gcn_norm(
-                    edge_index, edge_weight, n, improved, module.add_self_loops, module.flow,
-                    dtype,
-                )  # fmt: skip
+                with once_per_graph():  # later steps reuse the module's cache
+                    module._cached_adj_t = gcn_norm(
+                        edge_index, edge_weight, n, improved, module.add_self_loops,
+                        module.flow, dtype,
+                    )  # fmt: skip
             graph, weight = module._cached_adj_t, None
         else:
             if module._cached_edge_index is None:
-                module._cached_edge_index = gcn_norm(
-                    edge_index, edge_weight, n, improved, module.add_self_loops, module.flow,
-                    dtype,
-                )  # fmt: skip
+                with once_per_graph():  # later steps reuse the module's cache
+                    module._cached_edge_index = gcn_norm(
+                        edge_index, edge_weight, n, improved, module.add_self_loops,
+                        module.flow, dtype,
+                    )  # fmt: skip
             graph, weight = module._cached_edge_index
         adj = get_adjacency(
             ctl, graph, n, add_self_loops=False, normalize=False, edge_weight=weight

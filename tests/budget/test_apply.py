@@ -106,8 +106,9 @@ def test_budget_is_respected_and_tighter_budget_compresses(least):
             warnings.simplefilter("always")
             opt = _train(model, ctl, graph, 2)
         st = ctl.budget.plan_state
-        if factor == 1.0:  # at the named least: admitted, below the accuracy bound, said so
-            assert st.relaxed in ("relaxed", "profile")
+        if factor == 1.0 and st.relaxed:  # at the named least: admitted, maybe below the
+            # accuracy bound (said so); at least the rerun's profile step, probe included,
+            # which may leave room for a plan under the bound
             assert any("accuracy bound" in str(w.message) for w in caught)
             assert st.predicted <= budget
             if st.relaxed == "profile":
@@ -127,18 +128,23 @@ def test_budget_is_respected_and_tighter_budget_compresses(least):
         report = ctl.report()
         assert "memory budget" in report and "predicted peak" in report and "convs.0" in report
         ctl.remove()
-    assert held[1.2] < held[4.0]  # a tighter budget holds fewer bytes
+    assert held[1.0] <= held[1.2] <= held[4.0]  # a tighter budget holds fewer bytes
+    assert held[1.0] < held[4.0]
 
 
-def test_infeasible_budget_raises_before_backward_naming_the_smallest():
+def test_infeasible_budget_runs_the_profile_step_and_names_a_measured_figure():
+    """A budget below the forward's lower bound is not refused from shapes alone (a bound
+    cannot promise that a rerun at it is admitted): the profile steps run at the least
+    setting and the refusal names the figure they measured (``exact``)."""
     model = _model()
     x, ei, y = _graph(600)
     ctl = compress_gnn(model, memory_budget="100KiB")
-    named = r"smallest feasible budget is at least [0-9.]+ [KM]iB"
+    named = r"smallest feasible budget is [0-9.]+ [KM]iB"
     with pytest.raises(BudgetError, match=named) as e:
-        model(x, ei)  # the profile step's forward already knows
-    assert not e.value.exact  # a lower bound from shapes alone
-    assert all(p.grad is None for p in model.parameters())
+        _train(model, ctl, (x, ei, y), 3)
+    assert e.value.exact
+    assert ctl.budget.profiles == 2  # without, then with recomputation
+    assert 100 * 1024 < ctl.budget._lower_bound < e.value.least_budget
     # the profile step's live-bytes mode is off the dispatch stack (left there, it slowed
     # every later op of the process 10-30x, the rest of the test suite included)
     assert _get_current_dispatch_mode_stack() == []
@@ -220,14 +226,15 @@ def test_the_first_profile_step_recomputes_nothing(least):
 def test_below_what_compressing_alone_needs_a_recompute_profile_decides(least):
     # the least the first profile names is what it admits without recomputation; below it, a
     # second profile step recomputes every segment, and the error names the lesser of both
-    err, planner = _refused(int(least[0] * 0.8))
+    budget = int(min(least[0], least[1].profile_peak) * 0.6)
+    err, planner = _refused(budget, steps=3)
     assert planner.profiles == 2 and planner._recomputing
     assert [h["phase"] for h in planner.history] == ["profile"]  # the second raised
     assert err.least_budget <= least[1].least_budget
     assert "without recomputation" in str(err) and "every segment recomputed" in str(err)
     assert f"smallest feasible budget is {format_bytes(err.least_budget)} " in str(err)
-    # below what the named figure's slack was added to: refused again, naming the same
-    again, _ = _refused(int((err.least_budget - NAMED_SLACK_BYTES) / (1 + NAMED_SLACK)) - 1)
+    # below both profiles' own figures: refused again, naming the same
+    again, _ = _refused(budget, steps=3)
     assert again.least_budget == err.least_budget and again.exact
     # at it: admitted
     model = _model()
@@ -252,11 +259,15 @@ def test_budget_recompute_true_profiles_recomputation_in_the_first_step():
 
 
 def test_replans_when_the_graph_size_changes(least):
+    """A graph whose plan, scaled by its larger sizes, no longer fits profiles again (one
+    whose scaled prediction fits shares the plan: `tests/budget/test_rerun.py`)."""
     model = _model()
     ctl = compress_gnn(model, memory_budget=int(least[0] * 2))
-    small, large = _graph(600), _graph(900, seed=1)
+    small, large = _graph(600), _graph(1500, seed=1)
     _train(model, ctl, small, 2)
     first = ctl.budget.plan_state
+    state = first
+    assert state.rest + (state.predicted - state.rest) * 2.5 > ctl.budget.budget * 0.9
     _train(model, ctl, large, 2)
     second = ctl.budget.plan_state
     assert ctl.budget.profiles == 2 and second is not first
@@ -481,7 +492,8 @@ def test_what_the_resident_set_keeps_after_the_profile_step_is_in_the_correction
     state = ctl.budget.plan_state
     assert state.correction == kept
     # what a later step at the profile step's setting holds: its tensors and what is kept
-    assert state.profile_peak == state.rest + ended[-1].repeated_peak + kept
+    # (the probe's own tensors set aside: ``outside_peak``)
+    assert state.profile_peak == state.rest + ended[-1].outside_peak + kept
     ctl.remove()
 
 
