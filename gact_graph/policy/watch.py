@@ -194,10 +194,15 @@ class GradientWatch:
                     "raise them: give a larger memory_budget, or on_divergence='raise' to "
                     "stop such runs"
                 )
-            else:
+            elif (ctl.bits_floor or 0) >= 32 or (self.avg_bits or 0) >= 32:
                 advice = (
                     "nothing is compressed any more, so the model diverges without "
                     "compression noise: look at the learning rate and the model"
+                )
+            else:
+                advice = (
+                    "the adaptive ladder has no wider width to raise them to: add wider "
+                    "widths to ladder= (e.g. 4, 8, 32) or raise bits"
                 )
         else:
             advice = (
@@ -248,8 +253,8 @@ class GradientWatch:
         if adapter is not None:
             old = adapter.avg_bits
             new = _next_rung(old)
-            if new > 8 and 32 not in adapter.ladder or old >= 32:
-                return None
+            if old >= 32 or not any(b > old for b in adapter.ladder):
+                return None  # the ladder has nothing wider to give
             self.avg_bits = float(new)
             self._apply(ctl)
             return f"average bits {old:g} -> {new:g}"

@@ -142,6 +142,13 @@ def test_rescue_of_an_adaptive_run_raises_its_average():
     assert ctl.plan == {"t#0": 4} and ctl.bits_floor is None
 
 
+def test_an_adaptive_ladder_with_nothing_wider_is_not_rescued():
+    ctl = _ctl(adaptive=True, ladder=(1, 2))
+    with pytest.warns(RuntimeWarning, match="ladder has no wider width"):
+        _feed(ctl, [1.0] * 30 + [20.0] * 3)
+    assert ctl.adapter.avg_bits == 2
+
+
 def test_rescue_of_an_acgc_run_tightens_its_bound():
     ctl = _ctl(adaptive=True, policy="acgc", loss_bound=0.1)
     with pytest.warns(RuntimeWarning, match=r"loss_bound 0.1 -> 0.00625"):
