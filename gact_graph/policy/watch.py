@@ -71,7 +71,7 @@ class GradientWatch:
         window: steps of history the growth is measured against (their median).
         growth: how many times that median the median of ``recent`` steps may reach.
         recent: consecutive steps whose median is compared (a single spike is not growth).
-        nonfinite: non-finite steps within one read that count as divergence.
+        nonfinite: non-finite steps among the last 10 that count as divergence.
         action: ``"rescue"``, ``"warn"`` or ``"raise"`` (see the module docstring).
     """
 
@@ -206,17 +206,23 @@ class GradientWatch:
                 )
         else:
             advice = (
-                "raise bits (e.g. bits=4)"
-                if cfg.adaptive
-                else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
-            ) + (
-                ", or leave on_divergence='rescue' (the default) to let the watch raise them; "
-                "compare with bits=None to see whether the model diverges without compression"
+                "because of compression noise: "
+                + (
+                    "raise bits (e.g. bits=4)"
+                    if cfg.adaptive
+                    else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
+                )
+                + (
+                    ", or leave on_divergence='rescue' (the default) to let the watch raise them; "
+                    "compare with bits=None to see whether the model diverges without compression"
+                )
             )
         self.done = True
         # stacklevel: _diverging, _check, after_step, Controller.iterate, the caller
         warnings.warn(
-            f"{head} because of compression noise: {advice}", RuntimeWarning, stacklevel=5
+            f"{head} {advice}" if self.action == "warn" else f"{head}: {advice}",
+            RuntimeWarning,
+            stacklevel=5,
         )
 
     def _rescued(self, ctl, head: str, did: str) -> None:
