@@ -5,8 +5,8 @@ bits: the gradient norm grows tenfold within a few steps, then the loss goes NaN
 sees every step's gradient through ``ctl.iterate()`` and, when it sees the run diverging, does
 what ``compress_gnn(..., on_divergence=...)`` says:
 
-- ``"rescue"`` (default): raise the bits of what is compressed one rung (fixed bits: every
-  compressed tensor 2 -> 4 -> 8 -> kept exact; adaptive: the average budget the same way;
+- ``"rescue"`` (default): raise the bits of what is compressed (fixed bits: every compressed
+  tensor to 8 bits, then kept exact; adaptive: the average budget one rung, 2 -> 4 -> 8 -> 32;
   ``policy="acgc"``: ``loss_bound`` divided by 16) and say so in one warning; the watch goes on
   watching and raises again if the growth goes on. Under a ``memory_budget`` the planner decides
   every tensor's bits, so the rescue only warns.
@@ -41,6 +41,8 @@ __all__ = ["DivergenceError", "GradientWatch", "attach_watch"]
 
 #: the widths a rescue steps through (32: kept exact)
 _RUNGS = (1, 2, 4, 8, 32)
+#: the width a fixed-bit run is rescued to first
+_FIXED_RESCUE = 8
 #: how much a rescue tightens AC-GC's bound (two more bits divide S(b) by about 16)
 _ACGC_TIGHTEN = 16.0
 
@@ -267,7 +269,9 @@ class GradientWatch:
         old = self.bits_floor or int(round(ctl.config.bits))
         if old >= 32:
             return None
-        self.bits_floor = _next_rung(old)
+        # straight to 8 bits, then exact: one rung (4 bits) did not hold a deep GCNII run, which
+        # later blew up within a few steps, faster than a median of steps can follow
+        self.bits_floor = max(_next_rung(old), _FIXED_RESCUE)
         self._apply(ctl)
         new = "kept exact (32)" if self.bits_floor >= 32 else f"{self.bits_floor}"
         return f"every compressed tensor {old} -> {new} bits"
