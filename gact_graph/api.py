@@ -44,7 +44,10 @@ def compress_gnn(
     norm to its variance (AC-GC; `gact_graph.policy.acgc`). The model itself is not modified beyond
     hooks and patches that ``Controller.remove()`` undoes exactly; it can also be used as a
     context manager. ``memory_budget="16GiB"`` (or bytes) lets a planner choose per saved tensor
-    keep / compress / recompute / swap so that each step fits (`gact_graph.budget`)::
+    keep / compress / recompute / swap so that each step fits (`gact_graph.budget`). A run whose
+    gradients the watch sees blowing up gets the bits of what is compressed raised, with a
+    warning (``on_divergence="rescue"``, the default; ``"warn"`` only warns; ``"raise"`` raises
+    `gact_graph.policy.watch.DivergenceError` from ``ctl.iterate()``)::
 
         with compress_gnn(model, bits=2) as ctl:
             train(model)
@@ -81,7 +84,7 @@ def compress_gnn(
     if config.memory_budget is not None:
         attach_budget(ctl)  # per tensor keep/compress/recompute/swap under the budget (budget/)
     if not config.lossless:
-        attach_watch(ctl)  # warns when compression noise makes the gradients blow up
+        attach_watch(ctl)  # raises bits (or warns, or stops: on_divergence) when gradients blow up
     if config.opt_level != "L0":
         ctl.guard_interrupts()  # last: it wraps whatever forward the root has now
     return ctl

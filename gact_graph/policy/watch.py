@@ -5,8 +5,8 @@ bits: the gradient norm grows tenfold within a few steps, then the loss goes NaN
 sees every step's gradient through ``ctl.iterate()`` and, when it sees the run diverging, does
 what ``compress_gnn(..., on_divergence=...)`` says:
 
-- ``"rescue"`` (default): raise the bits of what is compressed one rung (fixed bits: every
-  compressed tensor 2 -> 4 -> 8 -> kept exact; adaptive: the average budget the same way;
+- ``"rescue"`` (default): raise the bits of what is compressed (fixed bits: every compressed
+  tensor to 8 bits, then kept exact; adaptive: the average budget one rung, 2 -> 4 -> 8 -> 32;
   ``policy="acgc"``: ``loss_bound`` divided by 16) and say so in one warning; the watch goes on
   watching and raises again if the growth goes on. Under a ``memory_budget`` the planner decides
   every tensor's bits, so the rescue only warns.
@@ -42,6 +42,8 @@ __all__ = ["DivergenceError", "GradientWatch", "attach_watch"]
 
 #: the widths a rescue steps through (32: kept exact)
 _RUNGS = (1, 2, 4, 8, 32)
+#: the width a fixed-bit run is rescued to first
+_FIXED_RESCUE = 8
 #: how much a rescue tightens AC-GC's bound (two more bits divide S(b) by about 16)
 _ACGC_TIGHTEN = 16.0
 
@@ -72,7 +74,7 @@ class GradientWatch:
         window: steps of history the growth is measured against (their median).
         growth: how many times that median the median of ``recent`` steps may reach.
         recent: consecutive steps whose median is compared (a single spike is not growth).
-        nonfinite: non-finite steps within one read that count as divergence.
+        nonfinite: non-finite steps among the last 10 that count as divergence.
         action: ``"rescue"``, ``"warn"`` or ``"raise"`` (see the module docstring).
     """
 
@@ -219,24 +221,35 @@ class GradientWatch:
                     "raise them: give a larger memory_budget, or on_divergence='raise' to "
                     "stop such runs"
                 )
-            else:
+            elif (ctl.bits_floor or 0) >= 32 or (self.avg_bits or 0) >= 32:
                 advice = (
                     "nothing is compressed any more, so the model diverges without "
                     "compression noise: look at the learning rate and the model"
                 )
+            else:
+                advice = (
+                    "the adaptive ladder has no wider width to raise them to: add wider "
+                    "widths to ladder= (e.g. 4, 8, 32) or raise bits"
+                )
         else:
             advice = (
-                "raise bits (e.g. bits=4)"
-                if cfg.adaptive
-                else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
-            ) + (
-                ", or leave on_divergence='rescue' (the default) to let the watch raise them; "
-                "compare with bits=None to see whether the model diverges without compression"
+                "because of compression noise: "
+                + (
+                    "raise bits (e.g. bits=4)"
+                    if cfg.adaptive
+                    else "use adaptive bits (the default) or raise bits (e.g. bits=4)"
+                )
+                + (
+                    ", or leave on_divergence='rescue' (the default) to let the watch raise them; "
+                    "compare with bits=None to see whether the model diverges without compression"
+                )
             )
         self.done = True
         # stacklevel: _diverging, _check, after_step, Controller.iterate, the caller
         warnings.warn(
-            f"{head} because of compression noise: {advice}", RuntimeWarning, stacklevel=5
+            f"{head} {advice}" if self.action == "warn" else f"{head}: {advice}",
+            RuntimeWarning,
+            stacklevel=5,
         )
 
     def _rescued(self, ctl, head: str, did: str) -> None:
@@ -273,15 +286,17 @@ class GradientWatch:
         if adapter is not None:
             old = adapter.avg_bits
             new = _next_rung(old)
-            if new > 8 and 32 not in adapter.ladder or old >= 32:
-                return None
+            if old >= 32 or not any(b > old for b in adapter.ladder):
+                return None  # the ladder has nothing wider to give
             self.avg_bits = float(new)
             self._apply(ctl)
             return f"average bits {old:g} -> {new:g}"
         old = self.bits_floor or int(round(ctl.config.bits))
         if old >= 32:
             return None
-        self.bits_floor = _next_rung(old)
+        # straight to 8 bits, then exact: one rung (4 bits) did not hold a deep GCNII run, which
+        # later blew up within a few steps, faster than a median of steps can follow
+        self.bits_floor = max(_next_rung(old), _FIXED_RESCUE)
         self._apply(ctl)
         new = "kept exact (32)" if self.bits_floor >= 32 else f"{self.bits_floor}"
         return f"every compressed tensor {old} -> {new} bits"

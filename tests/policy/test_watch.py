@@ -100,27 +100,30 @@ def test_a_converged_run_whose_tiny_gradients_grow_in_a_loss_bump_stays_quiet():
     assert ctl.watch.events == []
 
 
-def test_rescue_raises_every_compressed_tensor_one_rung_and_says_so():
+def test_rescue_raises_every_compressed_tensor_to_8_bits_and_says_so():
     ctl = _ctl()
     assert ctl.bits_for("x#0") == 2
-    with pytest.warns(RuntimeWarning, match=r"rescued: every compressed tensor 2 -> 4 bits"):
+    with pytest.warns(RuntimeWarning, match=r"rescued: every compressed tensor 2 -> 8 bits"):
         _feed(ctl, [1.0] * 30 + [20.0] * 3)
-    assert ctl.bits_floor == 4 and ctl.bits_for("x#0") == 4
+    assert ctl.bits_floor == 8 and ctl.bits_for("x#0") == 8
     ctl.plan["y#0"] = 1  # a loaded plan is raised too
-    assert ctl.bits_for("y#0") == 4
-    # the norm goes on growing after the rescue: the next rung, then exact, then a plain warning
-    with pytest.warns(RuntimeWarning, match=r"went on growing.*4 -> 8 bits"):
+    assert ctl.bits_for("y#0") == 8
+    # the norm goes on growing after the rescue: exact, then a plain warning
+    with pytest.warns(RuntimeWarning, match=r"went on growing.*8 -> kept exact"):
         _feed(ctl, [20.0] * 3 + [50.0] * 3)
-    assert ctl.bits_for("x#0") == 8
-    with pytest.warns(RuntimeWarning, match=r"8 -> kept exact"):
-        _feed(ctl, [120.0] * 3)
     assert ctl.bits_for("x#0") is None
     with pytest.warns(RuntimeWarning, match="diverges without compression"):
-        _feed(ctl, [300.0] * 3)
-    assert [e["action"] for e in ctl.watch.events] == ["rescue"] * 3 + ["warn"]
+        _feed(ctl, [120.0] * 3)
+    assert [e["action"] for e in ctl.watch.events] == ["rescue"] * 2 + ["warn"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _feed(ctl, [1e4] * 20)  # said once: nothing more
+
+
+def test_a_fixed_4_bit_run_is_rescued_to_8():
+    ctl = compress_gnn(nn.Linear(4, 4, bias=False), bits=4, adaptive=False)
+    with pytest.warns(RuntimeWarning, match=r"4 -> 8 bits"):
+        _feed(ctl, [1.0] * 30 + [20.0] * 3)
 
 
 def test_a_rescue_that_holds_is_not_repeated():
@@ -130,7 +133,7 @@ def test_a_rescue_that_holds_is_not_repeated():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _feed(ctl, [15.0, 8.0, 4.0] + [1.0] * 100 + [2.0] * 10)
-    assert ctl.bits_floor == 4 and len(ctl.watch.events) == 1
+    assert ctl.bits_floor == 8 and len(ctl.watch.events) == 1
 
 
 def test_rescue_of_an_adaptive_run_raises_its_average():
@@ -140,6 +143,13 @@ def test_rescue_of_an_adaptive_run_raises_its_average():
         _feed(ctl, [1.0] * 30 + [20.0] * 3)
     assert ctl.adapter.avg_bits == 4 and ctl.adapter.default_bits == 4
     assert ctl.plan == {"t#0": 4} and ctl.bits_floor is None
+
+
+def test_an_adaptive_ladder_with_nothing_wider_is_not_rescued():
+    ctl = _ctl(adaptive=True, ladder=(1, 2))
+    with pytest.warns(RuntimeWarning, match="ladder has no wider width"):
+        _feed(ctl, [1.0] * 30 + [20.0] * 3)
+    assert ctl.adapter.avg_bits == 2
 
 
 def test_rescue_of_an_acgc_run_tightens_its_bound():
@@ -178,7 +188,7 @@ def test_a_rescue_survives_a_state_dict_round_trip():
     ctl.remove()
     ctl2 = _ctl()
     ctl2.load_state_dict(state)
-    assert ctl2.bits_floor == 4 and ctl2.bits_for("x#0") == 4
+    assert ctl2.bits_floor == 8 and ctl2.bits_for("x#0") == 8
     assert ctl2.watch.events == ctl.watch.events
     state["watch"]["bits_floor"] = 3
     with pytest.raises(ValueError, match="bits_floor"):
