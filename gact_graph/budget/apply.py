@@ -50,25 +50,35 @@ budget, the prediction missed something (on CPU the resident set holds what no t
 sees: Python objects of many layers' hooks and autograd nodes, the C allocator's retained
 chunks), and the plan is re-solved with that miss added to the prediction (``correction``,
 the largest miss seen for that input shape), then with the accuracy bound dropped, then the
-least plan, with a warning each time; training goes on either way. On by default where the
-meter follows live bytes: CUDA (``max_memory_allocated``) and CPU when the C allocator returns
-freed memory (``MALLOC_MMAP_THRESHOLD_`` set); elsewhere the resident set keeps what a step
-freed and would make every plan the least (``budget_rectify=True`` forces it). With that meter
-the profile step's own measurement seeds the correction: what it held beyond its counted
-tensors is in the first plan's prediction, and the profile step's setting is admitted only
-by what it really held.
+least plan, with a warning each time; training goes on either way. It re-plans on the meter
+in use (see Meters): the resident set only where it follows live bytes (CUDA, or CPU when the
+C allocator returns freed memory, ``MALLOC_MMAP_THRESHOLD_`` set), since elsewhere it keeps
+what a step freed and would make every plan the least; there counted tensor bytes judge.
+With a device meter the profile step's own measurement seeds the correction: what it held
+beyond its counted tensors is in the first plan's prediction, and the profile step's setting
+is admitted only by what it really held.
 
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
 lesser of a profile step's measured peak and the least relaxed plan's prediction with the
 margin, over both profiles where two ran, but at least the peak of every profile step a rerun
 runs before it is admitted, its probe and adjacency build included; plus 2 % and 512 KiB,
-`NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures its
-own profile step, is admitted and met in every step): already at the end of the profile
-step's forward
-(before backward, from a lower bound without margin: saved bytes at 1 bit, what segments save
-left out where a recompute profile may follow, the largest saved tensor dequantized, the
-parameters' gradients), else at the ``ctl.iterate()`` of the last profile step (the exact
-figure).
+`NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures
+its own profile step, is admitted and met in every step), at the ``ctl.iterate()`` of the last
+profile step. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
+tensor dequantized, the parameters' gradients) refuses nothing by itself, since a rerun at a
+bound is not admitted; only on CUDA, where it exceeds the device's whole memory, does it raise
+(``exact=False``, named as a bound).
+
+**Meters.** One meter judges every step (`BudgetPlanner.meter`, named in ``report()``): CUDA
+``max_memory_allocated``; on CPU the anonymous resident set where it follows live bytes
+(``MALLOC_MMAP_THRESHOLD_`` set, or ``budget_rectify=True``), else tensor bytes counted at every
+op of a planned step (`PeakBytes`, on top of a ledger of what earlier steps left alive). A
+planned step over the budget by it is re-planned (above), or, with ``budget_rectify=False``,
+reported with a warning.
+
+**Size classes.** Inputs that differ only in their sizes (mini-batches) share a plan while its
+prediction, scaled by how much the sizes exceed the profiled ones, fits; otherwise they
+profile a new class (at most `BudgetPlanner.MAX_CLASSES` per structure).
 """
 
 from __future__ import annotations
