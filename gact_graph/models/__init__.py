@@ -1,5 +1,5 @@
-"""Full-batch GNNs built from stock PyG convolutions (``GCN``, ``GAT``, ``GATv2``, ``GCNII``) and the
-published hyperparameters to train them (:func:`preset`).
+"""Full-batch GNNs built from stock PyG convolutions (``GCN``, ``GAT``, ``GATv2``, ``GCNII``)
+and the published hyperparameters to train them (:func:`preset`).
 
 Every model takes ``forward(x, edge_index, edge_weight=None)`` and returns logits; the
 compression layer patches the PyG convolutions and intercepts ``torch.nn.functional`` ops, so
