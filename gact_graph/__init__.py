@@ -5,12 +5,9 @@ time (torch_geometric itself may, when Triton is installed); kernels are compile
 time a CUDA tensor is compressed, and every kernel has a PyTorch reference that is the CPU path.
 """
 
-from gact_graph import _moved
 from gact_graph.api import compress_gnn
 from gact_graph.config import CompressionConfig
 from gact_graph.core import Controller, QTensor, quantize
-
-_moved.install()  # old module paths (gact_graph.controller, ...) warn and keep working
 
 __all__ = ["compress_gnn", "CompressionConfig", "Controller", "QTensor", "quantize"]
 __version__ = "0.1.0"

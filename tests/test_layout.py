@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,21 @@ ALLOWED = {
     "config": set(),
     "core": {"kernels", "config"},
     # kernels: the fused attention's Triton kernels (plain tensors in and out)
-    "sparse": {"config", "kernels", "lean", "once"},
+    "sparse": {"config", "kernels", "switches"},
     # core: RowChunked, which BatchNorm's backward reads in the probe's partial backwards
-    "ops": {"core", "config", "lean"},
-    "policy": {"core", "kernels", "config", "lean"},
+    "ops": {"core", "config", "switches"},
+    "policy": {"core", "kernels", "config", "switches"},
     "api": {"config", "core", "policy", "ops", "sparse", "budget"},
-    # the memory-budget planner; lean, once: its profile step sets the probe's work and a
+    # the memory-budget planner; switches: its profile step sets the probe's work and a
     # graph's adjacency build aside
-    "budget": {"core", "kernels", "config", "policy", "lean", "once"},
+    "budget": {"core", "kernels", "config", "policy", "switches"},
     "memory": {"config", "core"},
     "integrations": {"api", "config", "core", "sparse"},
     "models": set(),
     "datasets": set(),
-    "_moved": set(),
     "cpus": set(),
-    "lean": {"switch"},  # the switch the probe sets and the attention backward reads
-    "once": {"switch"},  # the switch around a graph's adjacency build, which the planner reads
-    "switch": set(),  # the thread-local switch both are
+    # the probe's lean-backward switch and the once-per-graph switch the planner reads
+    "switches": set(),
 }
 
 
@@ -149,32 +146,6 @@ def test_public_api_unchanged():
     from gact_graph.datasets import evaluate, load_dataset  # noqa: F401
     from gact_graph.integrations.pyg import GactCallback  # noqa: F401
     from gact_graph.models import GAT, GCN, GCNII  # noqa: F401
-
-
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("gact_graph.controller", "gact_graph.core.controller"),
-        ("gact_graph.saved", "gact_graph.core.saved"),
-        ("gact_graph.bitpack", "gact_graph.kernels.bitpack"),
-        ("gact_graph.adapt", "gact_graph.policy.adaptive"),
-        ("gact_graph.sensitivity", "gact_graph.policy.sensitivity"),
-        ("gact_graph.levels", "gact_graph.policy.levels"),
-    ],
-)
-def test_old_module_paths_warn_and_give_the_moved_module(old, new):
-    import importlib
-    import sys
-
-    import gact_graph
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(old)
-    assert mod is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-    assert callable(gact_graph.quantize)
 
 
 def test_no_module_lowers_float32_matmul_precision():

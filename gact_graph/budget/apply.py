@@ -7,7 +7,7 @@ at 1 bit and no segment recomputed (on every model measured, recomputing every C
 it spares; `docs/results/budget.md`). It measures what the plan needs: every saved tensor's
 shape (from the controller's records), the step's peak (`StepMeter`), and, once per shape and
 width, the (de)compression time. What work done once per graph held while it ran (building
-the adjacency, `gact_graph.once`) is counted apart (CPU) and in no figure the plan is made
+the adjacency, `gact_graph.switches`) is counted apart (CPU) and in no figure the plan is made
 from: later steps find the adjacency cached. After the step (at ``ctl.iterate()``) the planner
 (`gact_graph.budget.planner`) chooses per unit and the plan holds for every later step with
 inputs of that shape; plans are cached per input shape, so alternating graphs re-profile once
@@ -111,11 +111,10 @@ from gact_graph.budget.profile import (
 from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
-from gact_graph.lean import is_lean
-from gact_graph.once import is_once_per_graph
 from gact_graph.policy.adaptive import allocate_bits, budget_bits, tensor_costs
 from gact_graph.policy.levels import CheckpointManager, SwapManager
 from gact_graph.policy.sensitivity import S
+from gact_graph.switches import is_lean, is_once_per_graph
 
 __all__ = [
     "BudgetError",

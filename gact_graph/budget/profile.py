@@ -174,7 +174,7 @@ class LiveBytes(TorchDispatchMode):
     ``aside()`` is true (the sensitivity probe's own work, which only the profile step runs)
     count towards ``peak``, ``repeated_peak`` and an open window, never towards
     ``outside_peak``. Ops for which ``once()`` is true (work done once per graph: building
-    its adjacency, `gact_graph.once`) count towards ``peak`` only: ``repeated_peak`` is the
+    its adjacency, `gact_graph.switches`) count towards ``peak`` only: ``repeated_peak`` is the
     peak over every other op (what they leave alive is counted from then on). Storages of
     ``exclude`` (what exists before the step and is counted apart: parameters, inputs) are
     never counted, even when an op returns a view of them.

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP
 from gact_graph.core.chunked import RowChunked, row_ranges
-from gact_graph.lean import is_scratch
+from gact_graph.switches import is_scratch
 
 __all__ = ["BatchNormFunction", "batch_norm"]
 

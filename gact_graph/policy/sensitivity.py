@@ -69,7 +69,7 @@ from torch.autograd.graph import GradientEdge
 from gact_graph.core.chunked import RowChunked, row_ranges
 from gact_graph.core.quantize import QTensor, quantize
 from gact_graph.core.saved import tensors_in
-from gact_graph.lean import lean_backward, scratch
+from gact_graph.switches import lean_backward, scratch
 
 __all__ = [
     "S",

@@ -30,7 +30,7 @@ import torch_geometric.typing as pyg_typing
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gact_graph.once import once_per_graph
+from gact_graph.switches import once_per_graph
 
 __all__ = [
     "CompactAdjacency",

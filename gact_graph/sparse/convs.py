@@ -21,7 +21,6 @@ from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAG
 from torch_geometric.nn.aggr import MeanAggregation, SumAggregation
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
-from gact_graph.once import once_per_graph
 from gact_graph.sparse.adjacency import (
     differentiable_edge_weight,
     get_adjacency,
@@ -32,6 +31,7 @@ from gact_graph.sparse.adjacency import (
 from gact_graph.sparse.amp import add_into
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 from gact_graph.sparse.spmm import spmm
+from gact_graph.switches import once_per_graph
 
 __all__ = [
     "patch_gcn_conv",

@@ -86,11 +86,11 @@ from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.lean import is_lean
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import add_into, autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
+from gact_graph.switches import is_lean
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -374,7 +374,7 @@ def _aggregate_backward(features: list, grad_out, coefficients, mask, p: float, 
     multiplier (E x H, the one edge-level tensor kept) and dot[d] = sum over edges into d of
     alpha * grad alpha, which the softmax's backward needs (when ``need_alpha``). ``features``
     is ``[x_src]``, a list the caller keeps no other reference to, so that ``split`` (the
-    probe's partial backwards, `gact_graph.lean`) can release the (dequantized) features after
+    probe's partial backwards, `gact_graph.switches`) can release the (dequantized) features after
     a first pass for grad alpha, before grad x_src exists in a second."""
     x_src = features.pop()
     x_shape, heads = x_src.shape, x_src.shape[1]

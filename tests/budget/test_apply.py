@@ -576,7 +576,7 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(
     least, monkeypatch, trusted
 ):
     """A graph's first step builds its adjacency, later steps find it cached: what the build
-    held while it ran (`gact_graph.once`) is in no figure the plan is made from, neither
+    held while it ran (`gact_graph.switches`) is in no figure the plan is made from, neither
     counted nor, with the rectifier's trusted meter, in the correction from the measured peak
     (which is the whole step's). Counted in, a build holding 32 MiB raised every prediction
     by 32 MiB. The named least budget does count it: a rerun at that budget (a fresh process)

@@ -3,7 +3,7 @@ bytes a compressed tensor holds."""
 
 import torch
 
-from gact_graph import once
+from gact_graph import switches as once
 from gact_graph.budget.profile import LiveBytes, compressed_bytes
 from gact_graph.core.quantize import quantize
 
@@ -87,7 +87,7 @@ def test_excluded_storages_are_never_counted_even_through_views():
 
 
 def test_once_per_graph_work_counts_towards_peak_only():
-    """Building a graph's adjacency (`gact_graph.once`) is in the step's ``peak`` but not in
+    """Building a graph's adjacency (`gact_graph.switches`) is in the step's ``peak`` but not in
     ``repeated_peak`` nor ``outside_peak`` (later steps find it cached); what it leaves alive
     is counted from then on."""
     with LiveBytes(once=once.is_once_per_graph) as live:

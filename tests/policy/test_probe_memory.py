@@ -63,6 +63,6 @@ def test_attention_model_probe_within_the_fixed_bit_envelope():
     """GAT + BatchNorm: each replayed tensor's noise runs a partial backward through the
     attention layers below on top of the user's backward; it stays in the envelope because
     there its matmuls read their compressed inputs in row chunks and the attention backward
-    releases its features before their gradient exists (`gact_graph.lean`)."""
+    releases its features before their gradient exists (`gact_graph.switches`)."""
     p = _peaks("gat", steps=2)  # steps 0 and 1: the first step and a re-planning step
     assert max(p["adaptive"]) <= 1.10 * max(p["fixed"]), p

@@ -385,7 +385,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     the partial backwards are walked by hand a node at a time with the gradients that meet
     summed (`_walk`: the attention logits' and the features' meet at the linear layer), all
     for memory (issues 13, 14): the estimates are those of the dense one-pass backward."""
-    from gact_graph import lean
+    from gact_graph import switches as lean
     from gact_graph.ops import batchnorm
     from gact_graph.policy import sensitivity
 

@@ -256,10 +256,10 @@ def test_cache_is_bounded_and_does_not_keep_graphs_alive():
 def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
     """The budget planner counts a graph's adjacency build apart (later steps find it
     cached): the build, its canonical hash and the transpose run inside
-    `gact_graph.once.once_per_graph`; a cache hit (same tensors, or equal ones: hashed) builds
+    `gact_graph.switches.once_per_graph`; a cache hit (same tensors, or equal ones: hashed) builds
     nothing."""
-    from gact_graph.once import is_once_per_graph
     from gact_graph.sparse import adjacency
+    from gact_graph.switches import is_once_per_graph
 
     seen = []
     for owner, name in ((adjacency, "_build"), (adjacency, "content_hash"),

@@ -16,10 +16,10 @@ from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.utils import to_torch_coo_tensor
 
 from gact_graph import compress_gnn
-from gact_graph.lean import lean_backward
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.sparse import gat as sgat
 from gact_graph.sparse import install_sparse_paths
+from gact_graph.switches import lean_backward
 from tests.benchmarks.test_scale_deep import _bias_stats
 from tests.devices import DEVICES
 

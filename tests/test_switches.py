@@ -1,8 +1,8 @@
-"""`gact_graph.once`: the switch around once-per-graph work."""
+"""`gact_graph.switches`: the switch around once-per-graph work."""
 
 import threading
 
-from gact_graph.once import is_once_per_graph, once_per_graph
+from gact_graph.switches import is_once_per_graph, once_per_graph
 
 
 def test_the_switch_nests_and_is_per_thread():
