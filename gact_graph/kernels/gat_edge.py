@@ -73,9 +73,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 __all__ = [
     "KERNEL_DTYPES",
+    "aggregate_reference",
     "csr_transpose",
     "degree_bucket",
     "draw_seed",
+    "edge_softmax_reference",
     "gat_edge_backward",
     "gat_edge_dropout_keep",
     "gat_edge_forward",
@@ -951,20 +953,31 @@ def gat_edge_reference(
     return _attend(logit, x, src, dst, num_dst, dropout, keep).to(out_dtype)
 
 
-def _attend(logit, x, src, dst, num_dst: int, dropout: float, keep) -> Tensor:
-    """The references' softmax (PyG's), dropout by ``keep`` and aggregation, in fp32."""
+def edge_softmax_reference(logit: Tensor, dst: Tensor, num_dst: int) -> Tensor:
+    """PyG's softmax of the E x H ``logit`` over the edges into each destination ``dst``
+    (stock autograd; the references' and the chunked stage's oracle)."""
     zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
     idx = dst.unsqueeze(-1).expand_as(logit)
     m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
     ex = (logit - m[dst]).exp()
-    alpha = ex / (zeros.index_add(0, dst, ex) + SOFTMAX_EPS)[dst]
+    return ex / (zeros.index_add(0, dst, ex) + SOFTMAX_EPS)[dst]
+
+
+def aggregate_reference(alpha: Tensor, x: Tensor, src: Tensor, dst: Tensor, num_dst: int):
+    """``out[d] = sum_e alpha[e] * x[src_e]`` over the edges into ``d`` (stock autograd)."""
+    msg = alpha.unsqueeze(-1) * x[src]
+    out = torch.zeros(num_dst, *x.shape[1:], dtype=msg.dtype, device=msg.device)
+    return out.index_add(0, dst, msg)
+
+
+def _attend(logit, x, src, dst, num_dst: int, dropout: float, keep) -> Tensor:
+    """The references' softmax (PyG's), dropout by ``keep`` and aggregation, in fp32."""
+    alpha = edge_softmax_reference(logit, dst, num_dst)
     if dropout > 0:
         if keep is None:
             raise ValueError("the reference needs the keep-mask when dropout > 0")
         alpha = alpha * (keep.to(alpha.dtype) * (0.0 if dropout >= 1 else 1.0 / (1.0 - dropout)))
-    msg = alpha.unsqueeze(-1) * x.float()[src]
-    out = torch.zeros(num_dst, *x.shape[1:], dtype=msg.dtype, device=msg.device)
-    return out.index_add(0, dst, msg)
+    return aggregate_reference(alpha, x.float(), src, dst, num_dst)
 
 
 def gatv2_edge_reference(

@@ -560,18 +560,14 @@ def gat_attention_reference(
 def _attend_reference(logit, x_src, col, dst, num_dst, dropout, perm) -> Tensor:
     """Stock-autograd softmax (PyG's formula), ``F.dropout`` in stock's edge order, and
     aggregation."""
-    zeros = torch.zeros(num_dst, logit.size(1), dtype=logit.dtype, device=logit.device)
-    idx = dst.unsqueeze(-1).expand_as(logit)
-    m = zeros.scatter_reduce(0, idx, logit.detach(), "amax", include_self=False)
-    ex = (logit - m[dst]).exp()
-    alpha = ex / (zeros.index_add(0, dst, ex) + 1e-16)[dst]
+    from gact_graph.kernels.gat_edge import aggregate_reference, edge_softmax_reference
+
+    alpha = edge_softmax_reference(logit, dst, num_dst)
     if perm is None:
         alpha = F.dropout(alpha, dropout)
     else:  # CSR edge k is stock's edge perm[k]
         alpha = F.dropout(alpha[torch.argsort(perm)], dropout)[perm]
-    msg = alpha.unsqueeze(-1) * x_src[col]
-    out = torch.zeros(num_dst, *x_src.shape[1:], dtype=msg.dtype, device=msg.device)
-    return out.index_add(0, dst, msg)
+    return aggregate_reference(alpha, x_src, col, dst, num_dst)
 
 
 # ---------------------------------------------------------------------------- fused kernels
