@@ -99,7 +99,7 @@ class Stored:
     def unpack(self) -> torch.Tensor:
         p = self.payload
         if isinstance(p, torch.Tensor):
-            # With saved-tensor hooks autograd no longer checks versions; do it ourselves for
+            # Under saved-tensor hooks autograd does not check versions; do it ourselves for
             # what we keep by reference, so an in-place change is an error, as without us.
             if self.ref_version is not None and p._version != self.ref_version:
                 raise RuntimeError(

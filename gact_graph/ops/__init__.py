@@ -5,7 +5,8 @@
 - `gact_graph.ops.inverted`: ELU, GELU, SiLU save their output plus a 1-bit branch indicator
   (the output is usually saved by the next layer anyway, and stored once).
 - `gact_graph.ops.batchnorm`: training-mode BatchNorm saves its normalized input instead of its
-  raw input (same bytes; the rounding error is no longer amplified by small channel spreads).
+  raw input (same bytes; its rounding error is not amplified by small channel spreads, as the raw
+  input's is).
 - `gact_graph.ops.mode`: the `TorchFunctionMode` that routes those calls during the model's
   forward.
 

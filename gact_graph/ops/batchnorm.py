@@ -58,8 +58,8 @@ class BatchNormFunction(torch.autograd.Function):
 
     Inside the sensitivity probe's partial backwards (`reads_row_chunks`) a compressed 2-D
     :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk at a time: the
-    probe replays this backward on top of the user's, and a whole dequantized copy was one
-    input-sized tensor of the probed step's peak (GCN + BatchNorm)."""
+    probe replays this backward on top of the user's, and a whole dequantized copy would add
+    one input-sized tensor to the probed step's peak (GCN + BatchNorm)."""
 
     reads_row_chunks = True
 
@@ -72,8 +72,8 @@ class BatchNormFunction(torch.autograd.Function):
         # large next to its spread
         acc = torch.promote_types(x.dtype, torch.float32)
         # one input-sized tensor, scaled in place: the subtraction's result and the product
-        # at once were the forward's widest moment of a GCN layer (input, convolution output,
-        # BatchNorm output, normalized input and that temporary)
+        # at once would be the forward's widest moment of a GCN layer (input, convolution
+        # output, BatchNorm output, normalized input and that temporary)
         xhat = torch.sub(x, _channel_view(mean.to(acc), x.dim())).to(acc)
         xhat.mul_(_channel_view(invstd.to(acc), x.dim()))
         xhat = xhat.to(x.dtype)

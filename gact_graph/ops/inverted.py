@@ -302,8 +302,8 @@ class EluFunction(torch.autograd.Function):
         if grad.dtype in (torch.float16, torch.bfloat16):
             neg = (grad.float() * (y.float() + ctx.alpha)).to(grad.dtype)
             return torch.where(pos, grad, neg), None, None
-        # grad * (y + alpha) where x <= 0, grad elsewhere, in one new tensor (was three: the
-        # sensitivity probe runs this backward on top of the user's, so its temporaries add up)
+        # grad * (y + alpha) where x <= 0, grad elsewhere, in one new tensor rather than three:
+        # the sensitivity probe runs this backward on top of the user's, so temporaries add up
         # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad)
         out = torch.add(y, ctx.alpha).mul_(grad)
         if torch.is_grad_enabled():  # create_graph: no out= under autograd

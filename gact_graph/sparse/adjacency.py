@@ -49,12 +49,11 @@ DEFAULT_MAX_GRAPHS = 4
 
 
 def _hash_chunk(device: torch.device) -> int:
-    """Elements `content_hash` takes at once (the hash does not depend on it): four int64
-    tensors of this many are alive at once, 2 MiB on CPU, where the first step of a small
-    graph is measured by the resident set (at 2^18, 8 MiB: 2.5x the edge index of a
-    4,000-node graph with 50 edges a node, the highest moment its budget planner counted
-    before the adjacency existed); 32 MiB on a GPU, where each chunk costs a dozen kernel
-    launches (ogbn-products' edge index: 236 chunks)."""
+    """Elements `content_hash` takes at once (the hash does not depend on it). Four int64
+    temporaries of this many are alive at once: small on CPU, where the budget planner reads a
+    small graph's first step from the resident set and a larger chunk would be its highest
+    moment; large on a GPU, where each chunk costs a dozen kernel launches. The figures behind
+    the two sizes are in docs/design.md (memory budget: the graph's first step)."""
     return 1 << 16 if device.type == "cpu" else 1 << 20
 
 
@@ -336,7 +335,7 @@ def _hash_pair(t: Tensor) -> Tensor:
     for start in range(0, n, chunk):
         # in place where the tensor is this loop's own (``v`` may be the caller's int64 data):
         # four chunk-sized int64 tensors at once, not seven (a graph's first step builds its
-        # adjacency, and on a small graph this hash of its edge index was that step's peak)
+        # adjacency, and on a small graph this hash of its edge index can be that step's peak)
         v = _as_int64_values(flat[start : start + chunk])
         m = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
         m.mul_(_M1).bitwise_xor_(m >> 31).mul_(_M2).bitwise_xor_(m >> 27)
@@ -659,10 +658,11 @@ def _from_edge_list(
             )
     # Sorted by (destination, source): rows in CSR order with their columns ascending, so an
     # undirected graph's CSR equals its transpose's and the transpose costs nothing. The key
-    # dst * N + src is the only E-long int64 made from the edge list (a graph of
-    # ogbn-products' size has 126 M edges: 0.94 GiB each), and rows and columns are read back
-    # from the sorted keys, so the build holds about three such vectors at its peak (the
-    # key, the sorted keys and their permutation; six before, with GAT's self-loop copies).
+    # dst * N + src is the only E-long int64 made from the edge list (at ogbn-products' size
+    # each such vector is about 1 GB), and rows and columns are read back from the sorted
+    # keys, so the build holds about three such vectors at its peak (the key, the sorted keys
+    # and their permutation); GAT's self-loop replacement works on the keys, not on copies of
+    # the edge list.
     weight = None if edge_weight is None else edge_weight.detach()
     caller_weight = weight  # never kept as is: an in-place change of it must not reach us
     dis = None  # gcn: D^-1/2 of the weighted in-degrees, self-loops included
