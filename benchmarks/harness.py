@@ -30,6 +30,10 @@ Two ways to enforce the budget:
 `search_max` is the search: exponential growth from a start value until a trial fails, then
 binary search between the last success and the first failure (optionally stopping at a relative
 tolerance, under a deadline or at a cap).
+
+The scripts' shared start and record are here too: `start_run` (threads, device), `names` (a
+comma-separated flag), `run_env` and `command_line` (what a JSON says about its run),
+`budget_meaning` (what a budget limits on the device).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
+import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -63,6 +70,11 @@ __all__ = [
     "max_depth",
     "max_width",
     "gib",
+    "names",
+    "start_run",
+    "run_env",
+    "budget_meaning",
+    "command_line",
 ]
 
 _GIB = 1 << 30
@@ -666,3 +678,42 @@ def max_width(
 def gib(x: float) -> int:
     """``x`` GiB in bytes."""
     return int(x * _GIB)
+
+
+def names(text: str, lower: bool = False) -> list[str]:
+    """The names of a comma-separated flag (``"gcn, GAT,"`` -> ``["gcn", "GAT"]``), blanks
+    dropped; ``lower``: in lower case."""
+    out = [part.strip() for part in text.split(",") if part.strip()]
+    return [part.lower() for part in out] if lower else out
+
+
+def start_run(device: str, threads: int | None) -> torch.device:
+    """``torch.device(device)``, after setting torch's CPU threads to ``threads`` when given."""
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.device(device)
+
+
+def run_env(device: torch.device, **extra: Any) -> dict[str, Any]:
+    """Where a benchmark ran, for its JSON: the device's name, torch's version, torch's CPU
+    threads, then ``extra``."""
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    )
+    return {"device": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            **extra}  # fmt: skip
+
+
+def budget_meaning(on_cuda: bool) -> str:
+    """What a memory budget limits on this device (see the module docstring)."""
+    if on_cuda:
+        return "CUDA allocator cap (set_per_process_memory_fraction)"
+    return "byte accounting: params + buffers + grads + optimizer state + inputs + saved tensors"
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command a benchmark's JSON records: ``argv`` when ``main`` was called with it (as
+    the tests do), else this process's arguments."""
+    return " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])

@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -46,12 +45,17 @@ from benchmarks.harness import (  # noqa: E402
     GraphInputs,
     Method,
     StepResult,
+    budget_meaning,
     build_model,
+    command_line,
     cuda_budget,
     default_methods,
     gib,
+    names,
+    run_env,
     run_step,
     search_max,
+    start_run,
 )
 from gact_graph.datasets import dataset_info, load_dataset  # noqa: E402
 from gact_graph.models import preset  # noqa: E402
@@ -117,9 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = start_run(args.device, args.threads)
     on_cuda = device.type == "cuda"
     if args.budget_gb is not None:
         budget_gb = args.budget_gb
@@ -134,20 +136,11 @@ def main(argv=None) -> dict:
     cap = args.max_nodes or (200_000_000 if on_cuda else 2_000_000)
     bits = tuple(int(b) for b in args.bits.split(","))
     methods, notes = default_methods(bits, adaptive=False if args.no_adaptive else None, l2=False)
-    models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
-    env = {
-        "device": torch.cuda.get_device_name(device)
-        if on_cuda
-        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "budget": "CUDA allocator cap (set_per_process_memory_fraction)"
-        if on_cuda
-        else "byte accounting: params + buffers + grads + optimizer state + inputs + saved tensors",
-    }
+    models = names(args.models, lower=True)
+    env = run_env(device, budget=budget_meaning(on_cuda))
     header = {
         "benchmark": "largest_graph",
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "env": env,
         "budget_gb": budget_gb,
         "graph": {

@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,11 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (  # noqa: E402
     GraphInputs,
+    budget_meaning,
+    command_line,
     cuda_budget,
     default_methods,
     gib,
     max_depth,
     max_width,
+    names,
+    run_env,
+    start_run,
 )
 from gact_graph.datasets import load_dataset  # noqa: E402
 
@@ -115,9 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = start_run(args.device, args.threads)
     on_cuda = device.type == "cuda"
     budget_gb = args.budget_gb if args.budget_gb is not None else (16.0 if on_cuda else 1 / 32)
     budget = gib(budget_gb)
@@ -141,22 +143,15 @@ def main(argv=None) -> dict:
             "L2 on CPU: swap bookkeeping simulated (swap_simulate=True); the accounting leaves "
             "out the compressed payloads it moved off the device, as a GPU would"
         )
-    models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    models = names(args.models, lower=True)
     width_layers = _parse_layers(args.width_layers)
-    searches = [s.strip() for s in args.searches.split(",") if s.strip()]
+    searches = names(args.searches)
     jobs = [(m, s, meth) for m in models for s in searches for meth in methods]
 
-    env = {
-        "device": torch.cuda.get_device_name(device) if on_cuda else _cpu_name(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "budget": "CUDA allocator cap (set_per_process_memory_fraction)"
-        if on_cuda
-        else "byte accounting: params + buffers + grads + optimizer state + inputs + saved tensors",
-    }
+    env = run_env(device, budget=budget_meaning(on_cuda))
     header = {
         "benchmark": "scaling",
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "env": env,
         "budget_gb": budget_gb,
         "graph": {"dataset": args.dataset, "num_nodes": graph.num_nodes,
@@ -217,10 +212,6 @@ def _progress(rec: dict) -> None:
     print(f"      {rec['value']:>6} {rec['reason']:6s} total {b.get('total', 0) / 2**20:8.2f} MiB "
           f"saved {b.get('saved', 0) / 2**20:8.2f} MiB peak {rec.get('peak_bytes', 0) / 2**20:8.1f}"
           f" MiB {rec['seconds']:6.1f}s", flush=True)  # fmt: skip
-
-
-def _cpu_name() -> str:
-    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 class _nullcontext:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import command_line, names, run_env, start_run  # noqa: E402
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.datasets.synthetic import load_synthetic  # noqa: E402
 from gact_graph.models import build_model, preset  # noqa: E402
@@ -185,11 +184,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.dry:
         args.device, args.warmup, args.epochs = "cpu", 1, 3
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    device = start_run(args.device, args.threads)
+    methods = names(args.methods)
+    models = names(args.models, lower=True)
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
@@ -197,16 +194,10 @@ def main(argv=None) -> dict:
         if m not in MODELS:
             raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
     data = make_graph(args, device)
-    env = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    env = run_env(device)
     header = {
         "benchmark": "small_graph_epoch",
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "env": env,
         "graph": {
             "dataset": "synthetic-citeseer",

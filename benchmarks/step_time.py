@@ -24,7 +24,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import adaptive_works  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    adaptive_works,
+    command_line,
+    names,
+    run_env,
+    start_run,
+)
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.datasets import load_dataset  # noqa: E402
 from gact_graph.models import build_model, preset  # noqa: E402
@@ -175,13 +180,11 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = start_run(args.device, args.threads)
     on_cuda = device.type == "cuda"
     scale = args.scale if args.scale is not None else (1.0 if on_cuda else 0.02)
     data = load_dataset(args.dataset, scale=scale, seed=args.seed).to(device)
-    method_names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    method_names = names(args.methods)
     for m in method_names:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
@@ -191,17 +194,11 @@ def main(argv=None) -> dict:
         if not ok:
             method_names = [m for m in method_names if not (METHODS[m] or {}).get("adaptive")]
             notes.append(f"adaptive dropped: compress_gnn(adaptive=True) fails ({why[:160]})")
-    models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
-    env = {
-        "device": torch.cuda.get_device_name(device)
-        if on_cuda
-        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    models = names(args.models, lower=True)
+    env = run_env(device)
     header = {
         "benchmark": "step_time",
-        "command": " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "env": env,
         "graph": {
             "dataset": args.dataset,
