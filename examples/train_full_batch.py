@@ -239,6 +239,50 @@ def budget_record(ctl) -> dict[str, Any] | None:
     }
 
 
+def split_metrics(data, out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """The dataset's metric of ``out`` on the train, val and test nodes."""
+    return {
+        split: evaluate(data, out, y, getattr(data, f"{split}_mask"))
+        for split in ("train", "val", "test")
+    }
+
+
+class BestEpoch:
+    """The epoch of best validation metric (``best``: its metrics and ``"epoch"``), and early
+    stopping after ``patience`` epochs without a better one (``None``: never)."""
+
+    def __init__(self, patience: int | None):
+        self.patience = patience
+        self.best: dict[str, Any] = {"val": -math.inf, "epoch": -1}
+        self.bad_epochs = 0
+
+    def update(self, metrics: dict[str, float], epoch: int) -> bool:
+        """Record an epoch's metrics; True when training stops here."""
+        if metrics["val"] > self.best["val"]:
+            self.best = {**metrics, "epoch": epoch}
+            self.bad_epochs = 0
+        else:
+            self.bad_epochs += 1
+        return self.patience is not None and self.bad_epochs >= self.patience
+
+
+def release(ctl) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(adaptation, memory_budget)`` of the JSON, read from ``ctl`` over the whole run, then
+    its hooks removed; ``(None, None)`` without a controller."""
+    if ctl is None:
+        return None, None
+    budget = budget_record(ctl)
+    adapt = None
+    if ctl.adapter is not None:  # what adaptation cost, over the whole run
+        adapt = {
+            "overhead": ctl.adapter.overhead(),
+            "estimates": ctl.adapter.n_estimates,
+            "plan": dict(ctl.plan),
+        }
+    ctl.remove()
+    return adapt, budget
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(
         __doc__,
@@ -306,10 +350,9 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
     bits = args.bits
     ctl = None if bits is None else compress_gnn(model, **compress_options(args))
 
-    best = {"val": -math.inf, "epoch": -1}
+    tracker = BestEpoch(cfg["patience"])
     stats = None
     step_times = []
-    bad_epochs = 0
     bar = tqdm(range(cfg["epochs"]), desc=f"seed {seed}", disable=args.no_progress,
                dynamic_ncols=True, file=sys.stderr)  # fmt: skip
     with peak_memory(device) as peak:
@@ -328,32 +371,17 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
             model.eval()
             with torch.no_grad():
                 out = model(x, edge_index)
-            metrics = {
-                split: evaluate(data, out, y, getattr(data, f"{split}_mask"))
-                for split in ("train", "val", "test")
-            }
-            if metrics["val"] > best["val"]:
-                best = {**metrics, "epoch": epoch}
-                bad_epochs = 0
-            else:
-                bad_epochs += 1
+            metrics = split_metrics(data, out, y)
+            stop = tracker.update(metrics, epoch)
             bar.set_postfix(loss=f"{loss.item():.4f}", train=f"{metrics['train']:.4f}",
                             val=f"{metrics['val']:.4f}", test=f"{metrics['test']:.4f}")  # fmt: skip
-            if cfg["patience"] is not None and bad_epochs >= cfg["patience"]:
+            if stop:
                 break
     bar.close()
 
-    adapt = budget = None
     if ctl is not None:
-        budget = budget_record(ctl)
         act_stored = stats["total"]["stored_bytes"]
-        if ctl.adapter is not None:  # what adaptation cost, over the whole run
-            adapt = {
-                "overhead": ctl.adapter.overhead(),
-                "estimates": ctl.adapter.n_estimates,
-                "plan": dict(ctl.plan),
-            }
-        ctl.remove()
+    adapt, budget = release(ctl)
     # What stock PyTorch would save for one training forward of the final model (after
     # training, so it changes neither the RNG stream nor the measured peak).
     model.train()
@@ -363,6 +391,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
 
     # Warm-up epochs (allocator, first compression plan) are not representative of speed.
     timed = step_times[min(3, len(step_times) - 1) :] if len(step_times) > 4 else step_times
+    best = tracker.best
     return {
         "seed": seed,
         "best_epoch": best["epoch"],

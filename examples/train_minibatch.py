@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -51,7 +50,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_full_batch as full  # noqa: E402  (its flags, presets and summary, shared)
 
 from gact_graph import compress_gnn  # noqa: E402
-from gact_graph.datasets import evaluate  # noqa: E402
 from gact_graph.memory import count_saved_bytes, peak_memory  # noqa: E402
 from gact_graph.models import build_model  # noqa: E402
 
@@ -182,10 +180,9 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
     if args.bits is not None:
         ctl = compress_gnn(model, **full.compress_options(args))
 
-    best = {"val": -math.inf, "epoch": -1}
+    tracker = full.BestEpoch(cfg["patience"])
     step_times, epoch_times = [], []
     measured = []  # (batch, stored bytes) of the last epoch's first batches
-    bad_epochs = 0
     bar = tqdm(range(cfg["epochs"]), desc=f"seed {seed}", disable=args.no_progress,
                dynamic_ncols=True, file=sys.stderr)  # fmt: skip
     peak_bytes = peak_above = 0  # peak of the training steps; and above their start
@@ -228,31 +225,15 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         model.eval()
         with torch.no_grad():
             out = model(data.x, data.edge_index)
-        metrics = {
-            split: evaluate(data, out, data.y, getattr(data, f"{split}_mask"))
-            for split in ("train", "val", "test")
-        }
-        if metrics["val"] > best["val"]:
-            best = {**metrics, "epoch": epoch}
-            bad_epochs = 0
-        else:
-            bad_epochs += 1
+        metrics = full.split_metrics(data, out, data.y)
+        stop = tracker.update(metrics, epoch)
         bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{metrics['val']:.4f}",
                         test=f"{metrics['test']:.4f}")  # fmt: skip
-        if cfg["patience"] is not None and bad_epochs >= cfg["patience"]:
+        if stop:
             break
     bar.close()
 
-    adapt = budget = None
-    if ctl is not None:
-        budget = full.budget_record(ctl)
-        if ctl.adapter is not None:
-            adapt = {
-                "overhead": ctl.adapter.overhead(),
-                "estimates": ctl.adapter.n_estimates,
-                "plan": dict(ctl.plan),
-            }
-        ctl.remove()
+    adapt, budget = full.release(ctl)
     # Stock PyTorch's saved bytes on the same batches (after training: it changes neither
     # the RNG stream of training nor its measured peak).
     model.train()
@@ -266,6 +247,7 @@ def run_seed(seed: int, data, args: argparse.Namespace, cfg: dict[str, Any]) -> 
         fp32.append(count_saved_bytes(forward_loss, model))
         stored.append(fp32[-1] if nbytes is None else nbytes)
     timed = epoch_times[1:] if len(epoch_times) > 1 else epoch_times  # first: warm-up
+    best = tracker.best
     return {
         "seed": seed,
         "best_epoch": best["epoch"],
