@@ -625,14 +625,8 @@ def max_depth(
     trains on ``graph`` under the budget (see `run_step`)."""
 
     def trial(depth: int) -> StepResult:
-        def make() -> nn.Module:
-            torch.manual_seed(seed)
-            return build_model(
-                model, graph.x.shape[1], out_channels, num_layers=depth,
-                hidden_channels=hidden_channels, **model_kwargs,
-            )  # fmt: skip
-
-        return run_step(make, graph, method, budget_bytes=budget_bytes)
+        size = {"num_layers": depth, "hidden_channels": hidden_channels}
+        return _step_of(model, graph, method, out_channels, budget_bytes, seed, size, model_kwargs)
 
     return search_max(
         trial, start=start, unit=1, cap=cap, rel_tol=rel_tol, deadline=deadline, progress=progress
@@ -660,19 +654,32 @@ def max_width(
     that trains on ``graph`` under the budget (see `run_step`)."""
 
     def trial(width: int) -> StepResult:
-        def make() -> nn.Module:
-            torch.manual_seed(seed)
-            return build_model(
-                model, graph.x.shape[1], out_channels, num_layers=num_layers,
-                hidden_channels=width, **model_kwargs,
-            )  # fmt: skip
-
-        return run_step(make, graph, method, budget_bytes=budget_bytes)
+        size = {"num_layers": num_layers, "hidden_channels": width}
+        return _step_of(model, graph, method, out_channels, budget_bytes, seed, size, model_kwargs)
 
     return search_max(
         trial, start=start, unit=unit, cap=cap, rel_tol=rel_tol, deadline=deadline,
         progress=progress,
     )  # fmt: skip
+
+
+def _step_of(
+    model: str,
+    graph: GraphInputs,
+    method: Method,
+    out_channels: int,
+    budget_bytes: int | None,
+    seed: int,
+    size: dict[str, int],
+    model_kwargs: dict[str, Any],
+) -> StepResult:
+    """`run_step` of ``model`` at ``size`` (its depth and width), built from seed ``seed``."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(seed)
+        return build_model(model, graph.x.shape[1], out_channels, **size, **model_kwargs)
+
+    return run_step(make, graph, method, budget_bytes=budget_bytes)
 
 
 def gib(x: float) -> int:
