@@ -108,9 +108,7 @@ def _patch(ctl, path: str, module, fused, reason_of) -> None:
     original = module.forward
 
     def forward(*args, **kwargs):
-        reason = message_passing_reason(module) or reason_of(*args, **kwargs)
-        if reason is not None:
-            ctl.module_paths[path] = f"generic ({reason})"
+        if _stays_generic(ctl, path, message_passing_reason(module) or reason_of(*args, **kwargs)):
             return original(*args, **kwargs)
         ctl.module_paths[path] = LABEL
         return fused(*args, **kwargs)
@@ -122,20 +120,36 @@ def _static_reason(module) -> str | None:
     return message_passing_reason(module)
 
 
+def _stays_generic(ctl, path: str, reason: str | None) -> bool:
+    """True when ``reason`` says why the module at ``path`` runs PyG's own forward (recorded
+    for the report); False when there is none."""
+    if reason is None:
+        return False
+    ctl.module_paths[path] = f"generic ({reason})"
+    return True
+
+
 # ---------------------------------------------------------------------------- GCN family
+def _plain_graph_adjacency(ctl, edge_index, edge_weight, n: int, use_values: bool):
+    """The adjacency as given (no self-loops, no normalization); returns (adjacency,
+    learnable CSR weights or None)."""
+    adj = get_adjacency(
+        ctl, edge_index, n, add_self_loops=False, normalize=False, edge_weight=edge_weight,
+        use_values=use_values,
+    )  # fmt: skip
+    w = None
+    if adj.weight_is_external:
+        w = differentiable_edge_weight(
+            adj, edge_index, edge_weight, n, add_self_loops=False, normalize=False
+        )
+    return adj, w
+
+
 def _gcn_adjacency(ctl, module, edge_index, edge_weight, n: int, dtype, improved: bool):
     """The adjacency GCNConv / GCN2Conv / APPNP propagate over, with their normalization
     and ``cached`` semantics; returns (adjacency, learnable CSR weights or None)."""
     if not module.normalize:
-        adj = get_adjacency(
-            ctl, edge_index, n, add_self_loops=False, normalize=False, edge_weight=edge_weight
-        )
-        w = None
-        if adj.weight_is_external:
-            w = differentiable_edge_weight(
-                adj, edge_index, edge_weight, n, add_self_loops=False, normalize=False
-            )
-        return adj, w
+        return _plain_graph_adjacency(ctl, edge_index, edge_weight, n, use_values=True)
     if module.cached:
         # Stock semantics: normalize on the first call, then reuse that graph forever. We keep
         # the module's own cache filled exactly as PyG would, so remove() continues seamlessly.
@@ -193,9 +207,7 @@ def patch_gcn_conv(ctl, path: str, module: GCNConv) -> None:
     """GCNConv: ``lin`` -> SpMM with the normalized shared adjacency -> ``bias``.
     Supports ``normalize``/``add_self_loops``/``improved``/``cached`` and learnable
     ``edge_weight`` (its gradient flows through PyG's own `gcn_norm`)."""
-    reason = _static_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module)):
         return
 
     def reason_of(x, edge_index, edge_weight=None):
@@ -220,9 +232,7 @@ def patch_gcn_conv(ctl, path: str, module: GCNConv) -> None:
 def patch_gcn2_conv(ctl, path: str, module: GCN2Conv) -> None:
     """GCN2Conv (GCNII): SpMM with the GCN-normalized shared adjacency, then PyG's exact
     initial-residual / identity-mapping arithmetic (including its in-place ops)."""
-    reason = _static_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module)):
         return
 
     def reason_of(x, x_0, edge_index, edge_weight=None):
@@ -255,9 +265,7 @@ def patch_gcn2_conv(ctl, path: str, module: GCN2Conv) -> None:
 def patch_appnp(ctl, path: str, module: APPNP) -> None:
     """APPNP: K SpMMs over one shared adjacency. Edge dropout in training draws the same
     random masks as PyG (over the edge weights in PyG's edge order)."""
-    reason = _static_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module)):
         return
 
     def dropping() -> bool:
@@ -314,26 +322,11 @@ def _appnp_dropout(ctl, module: APPNP, x, edge_index, edge_weight, n: int) -> Te
 
 
 # ---------------------------------------------------------------------------- SAGE / Graph / GIN
-def _plain_graph_adjacency(ctl, edge_index, edge_weight, n: int, use_values: bool):
-    adj = get_adjacency(
-        ctl, edge_index, n, add_self_loops=False, normalize=False, edge_weight=edge_weight,
-        use_values=use_values,
-    )  # fmt: skip
-    w = None
-    if adj.weight_is_external:
-        w = differentiable_edge_weight(
-            adj, edge_index, edge_weight, n, add_self_loops=False, normalize=False
-        )
-    return adj, w
-
-
 @register_patcher(SAGEConv)
 def patch_sage_conv(ctl, path: str, module: SAGEConv) -> None:
     """SAGEConv with ``aggr`` mean or sum: (``project``) -> SpMM (mean divides by the
     in-degree) -> ``lin_l`` (+ ``lin_r`` root) (-> L2 normalize)."""
-    reason = _static_reason(module) or _aggr_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module) or _aggr_reason(module)):
         return
 
     def reason_of(x, edge_index, size=None):
@@ -365,9 +358,7 @@ def patch_sage_conv(ctl, path: str, module: SAGEConv) -> None:
 def patch_graph_conv(ctl, path: str, module: GraphConv) -> None:
     """GraphConv (add/sum/mean): SpMM with optional (learnable) edge weights -> ``lin_rel``
     + ``lin_root``. A sparse matrix's own values weight the edges, as in PyG."""
-    reason = _static_reason(module) or _aggr_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module) or _aggr_reason(module)):
         return
 
     def reason_of(x, edge_index, edge_weight=None, size=None):
@@ -392,9 +383,7 @@ def patch_graph_conv(ctl, path: str, module: GraphConv) -> None:
 @register_patcher(GINConv)
 def patch_gin_conv(ctl, path: str, module: GINConv) -> None:
     """GINConv (add/sum/mean): SpMM -> ``+ (1 + eps) * x`` -> ``nn``."""
-    reason = _static_reason(module) or _aggr_reason(module)
-    if reason is not None:
-        ctl.module_paths[path] = f"generic ({reason})"
+    if _stays_generic(ctl, path, _static_reason(module) or _aggr_reason(module)):
         return
 
     def reason_of(x, edge_index, size=None):
