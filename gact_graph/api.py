@@ -71,7 +71,7 @@ def compress_gnn(
     elif not isinstance(config, CompressionConfig):
         raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
     ctl = Controller(model, config)
-    if config.sparse and not config.opt_level == "L0":
+    if config.sparse and config.opt_level != "L0":
         install_sparse_paths(ctl)
     if config.pointwise and config.opt_level != "L0":
         install_pointwise_ops(ctl)

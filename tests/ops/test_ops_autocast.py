@@ -20,7 +20,7 @@ from torch import nn
 
 from gact_graph import compress_gnn
 from gact_graph.ops import install_pointwise_ops
-from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF
+from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF, train_under_autocast
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -122,27 +122,8 @@ def _train(op, x, y, device, dtype, bits, steps=10, lr=0.05):
     controller's stats; fp16 with a GradScaler, as fp16 training does."""
     torch.manual_seed(0)
     model = Net(op).to(device)
-    # min_bytes=0: these tensors are small, and CUDA would keep them as they are by default
-    ctl = None if bits is None else compress_gnn(model, bits=bits, adaptive=False, min_bytes=0)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
-    losses = []
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast(device, dtype=dtype):
-                out = model(x)
-            loss = F.cross_entropy(out.float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            if ctl is not None:
-                ctl.iterate()
-            losses.append(loss.item())
-        return losses, None if ctl is None else ctl.stats()
-    finally:
-        if ctl is not None:
-            ctl.remove()
+    losses, stats, _ = train_under_autocast(model, (x,), y, device, dtype, bits, steps, lr)
+    return losses, stats
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -45,7 +45,7 @@ from gact_graph.models import GAT, GCN, GCNII
 from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.gat import gat_attention, gatv2_attention
 from gact_graph.sparse.spmm import spmm
-from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF
+from tests.devices import AUTOCAST_DTYPES, DEVICES, UNIT_ROUNDOFF, train_under_autocast
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
@@ -201,29 +201,7 @@ def _train(model, x, graph, edge_weight, y, device, dtype, bits=2, steps=10, lr=
     """Losses of ``steps`` Adam steps under autocast (``bits=None``: uncompressed stock), the
     controller's stats of the last step and its module paths. fp16 uses a GradScaler, as fp16
     training does."""
-    # min_bytes=0: these tensors are small, and CUDA would keep them as they are by default
-    ctl = None if bits is None else compress_gnn(model, bits=bits, adaptive=False, min_bytes=0)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
-    losses = []
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast(device, dtype=dtype):
-                out = model(x, graph, edge_weight)
-            loss = F.cross_entropy(out.float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            if ctl is not None:
-                ctl.iterate()
-            losses.append(loss.item())
-        if ctl is None:
-            return losses, None, None
-        return losses, ctl.stats(), dict(ctl.module_paths)
-    finally:
-        if ctl is not None:
-            ctl.remove()
+    return train_under_autocast(model, (x, graph, edge_weight), y, device, dtype, bits, steps, lr)
 
 
 def _assert_trains(make_model, x, graph, edge_weight, y, device, dtype, conv_label):
