@@ -17,27 +17,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gact_graph.integrations.lightning import CompressionCallback, GactCallback  # noqa: E402
 from gact_graph.models import GCN  # noqa: E402
-
-EPOCHS = 100  # the doc's 200, shortened for CI
-
-
-def _train_stock(data, epochs=EPOCHS):
-    """The doc example's model and optimizer in a plain loop, without compression."""
-    torch.manual_seed(0)
-    model = GCN(
-        data.num_features, 16, data.num_classes, num_layers=2, dropout=0.5, batch_norm=False
-    )
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
-    for _ in range(epochs):
-        model.train()
-        opt.zero_grad()
-        out = model(data.x, data.edge_index)
-        F.cross_entropy(out[data.train_mask], data.y[data.train_mask]).backward()
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        pred = model(data.x, data.edge_index).argmax(-1)
-    return (pred[data.test_mask] == data.y[data.test_mask]).float().mean().item()
+from tests.integrations.stock_loop import EPOCHS, train_stock  # noqa: E402
 
 
 def _trainer(tmp_path, epochs, callbacks, **kw):
@@ -66,7 +46,7 @@ def test_doc_example_trains_like_stock(cora_root, cora, doc_example, tmp_path, m
             ],
         )
     acc = ns["acc"]
-    stock = _train_stock(cora)
+    stock = train_stock(cora)
     metrics = ns["logged"]
     with capsys.disabled():
         print(

@@ -4,34 +4,20 @@ import torch
 import torch.nn.functional as F
 
 from gact_graph.integrations.pyg import GactCallback
-from gact_graph.models import GCN
+from tests.integrations.stock_loop import EPOCHS, doc_model, train_stock
 
 
-def _model(data):
-    torch.manual_seed(0)
-    return GCN(data.num_features, 16, data.num_classes, num_layers=2, dropout=0.5, batch_norm=False)
+def _closure(model, opt, data):
+    """One training step's forward and backward on ``data``'s training nodes."""
 
-
-def _test_acc(model, data):
-    model.eval()
-    with torch.no_grad():
-        pred = model(data.x, data.edge_index).argmax(-1)
-    return (pred[data.test_mask] == data.y[data.test_mask]).float().mean().item()
-
-
-EPOCHS = 100  # the doc's 200, shortened for CI
-
-
-def _train_stock(data, epochs=EPOCHS):
-    model = _model(data)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
-    for _ in range(epochs):
-        model.train()
+    def closure():
         opt.zero_grad()
         out = model(data.x, data.edge_index)
-        F.cross_entropy(out[data.train_mask], data.y[data.train_mask]).backward()
-        opt.step()
-    return _test_acc(model, data)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        loss.backward()
+        return loss
+
+    return closure
 
 
 def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
@@ -40,7 +26,7 @@ def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
                 ("epochs = 200", f"epochs = {EPOCHS}")],
     )  # fmt: skip
     acc, stats = ns["acc"], ns["stats"]
-    stock = _train_stock(cora)
+    stock = train_stock(cora)
     with capsys.disabled():
         print(f"pyg loop on Cora: stock {stock:.3f}, 2-bit {acc:.3f}, stats {stats}")
     assert stock > 0.75 and acc > 0.75
@@ -51,15 +37,9 @@ def test_doc_example_trains_like_stock(cora_root, cora, doc_example, capsys):
 
 
 def test_callback_lifecycle_and_state(cora):
-    model = _model(cora)
+    model = doc_model(cora)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def closure():
-        opt.zero_grad()
-        out = model(cora.x, cora.edge_index)
-        loss = F.cross_entropy(out[cora.train_mask], cora.y[cora.train_mask])
-        loss.backward()
-        return loss
+    closure = _closure(model, opt, cora)
 
     with GactCallback(model, bits=4, adaptive=False) as gact:
         ctl = gact.ctl
@@ -88,15 +68,9 @@ def test_callback_lifecycle_and_state(cora):
 
 
 def test_adaptive_step_makes_a_plan(cora):
-    model = _model(cora)
+    model = doc_model(cora)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def closure():
-        opt.zero_grad()
-        out = model(cora.x, cora.edge_index)
-        loss = F.cross_entropy(out[cora.train_mask], cora.y[cora.train_mask])
-        loss.backward()
-        return loss
+    closure = _closure(model, opt, cora)
 
     gact = GactCallback(model, bits=3, adaptive=True, min_numel=0)
     gact.on_train_start()
