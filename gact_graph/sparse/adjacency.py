@@ -870,11 +870,14 @@ def get_adjacency(
         bool(keep_perm), external,
     )  # fmt: skip
 
-    if ctl is None:
+    def build() -> CompactAdjacency:
         return _build(
             edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
             fill_value, loop_mode, dtype, external, use_values, keep_perm,
         )  # fmt: skip
+
+    if ctl is None:
+        return build()
     cache = _cache_of(ctl)
 
     # 1) identity: same storages, views and versions as a graph seen before, and (once per
@@ -916,10 +919,7 @@ def get_adjacency(
     adj = cache.lookup(cache._by_content, c_key)
     if adj is None:
         with once_per_graph():  # later steps with this graph find it cached
-            adj = _build(
-                edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
-                fill_value, loop_mode, dtype, external, use_values, keep_perm,
-            )  # fmt: skip
+            adj = build()
             # 3) canonical: the built CSR itself (a COO and a CSR of one matrix meet here).
             canon = (
                 "csr", adj.num_nodes, external, content_hash(adj.rowptr), content_hash(adj.col),
