@@ -33,13 +33,15 @@ tolerance, under a deadline or at a cap).
 
 The scripts' shared start and record are here too: `start_run` (threads, device), `names` (a
 comma-separated flag), `run_env` and `command_line` (what a JSON says about its run),
-`budget_meaning` (what a budget limits on the device).
+`budget_meaning` (what a budget limits on the device), `write_results` (the JSON, rewritten
+after every result so that a run cut short keeps what it found).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import platform
@@ -48,6 +50,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,6 +78,7 @@ __all__ = [
     "run_env",
     "budget_meaning",
     "command_line",
+    "write_results",
 ]
 
 _GIB = 1 << 30
@@ -724,3 +728,11 @@ def command_line(argv: list[str] | None) -> str:
     """The command a benchmark's JSON records: ``argv`` when ``main`` was called with it (as
     the tests do), else this process's arguments."""
     return " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_results(path: Path, header: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """``{**header, "results": results}`` as JSON at ``path``, replaced whole (through a
+    temporary file): a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**header, "results": results}, indent=1, default=str))
+    os.replace(tmp, path)

@@ -30,9 +30,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ from benchmarks.harness import (  # noqa: E402
     run_step,
     search_max,
     start_run,
+    write_results,
 )
 from gact_graph.datasets import dataset_info, load_dataset  # noqa: E402
 from gact_graph.models import preset  # noqa: E402
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
     gc.freeze()
     results: list[dict] = []
     jobs = [(model, method) for model in models for method in methods]
-    with cuda_budget(budget, device) if on_cuda else _nullcontext():
+    with cuda_budget(budget, device) if on_cuda else contextlib.nullcontext():
         for i, (model, method) in enumerate(jobs):
             deadline = None
             if args.time_budget is not None:
@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
                 f"[{len(res.trials)} trials, {res.seconds:.1f}s]",
                 flush=True,
             )
-            _write(out_path, header, results)
+            write_results(out_path, header, results)
     print()
     print(table(results))
     print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f}s)")
@@ -235,20 +235,6 @@ def largest(model, method: Method, args, device, budget, make_graph, unit, cap, 
     res = search_max(trial, start=unit, unit=unit, cap=cap, rel_tol=args.rel_tol,
                      deadline=deadline)  # fmt: skip
     return res, sizes
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _write(path: Path, header: dict, results: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**header, "results": results}, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _fmt(row: dict) -> str:

@@ -27,9 +27,8 @@ Prints a table and writes JSON (``--json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from benchmarks.harness import (  # noqa: E402
     names,
     run_env,
     start_run,
+    write_results,
 )
 from gact_graph.datasets import load_dataset  # noqa: E402
 
@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
     results: list[dict] = []
     out_path = Path(args.json)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    cm = cuda_budget(budget, device) if on_cuda else _nullcontext()
+    cm = cuda_budget(budget, device) if on_cuda else contextlib.nullcontext()
     with cm:
         for i, (model, search, method) in enumerate(jobs):
             deadline = None
@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
                 flag = f" ERROR {res.error[:100]}"
             print(f"  {model:6s} {search:5s} {method.name:22s} -> {res.best}{flag} "
                   f"[{len(res.trials)} trials, {res.seconds:.1f}s]", flush=True)  # fmt: skip
-            _write(out_path, header, results)
+            write_results(out_path, header, results)
     print()
     print(table(results))
     print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f}s)")
@@ -212,20 +212,6 @@ def _progress(rec: dict) -> None:
     print(f"      {rec['value']:>6} {rec['reason']:6s} total {b.get('total', 0) / 2**20:8.2f} MiB "
           f"saved {b.get('saved', 0) / 2**20:8.2f} MiB peak {rec.get('peak_bytes', 0) / 2**20:8.1f}"
           f" MiB {rec['seconds']:6.1f}s", flush=True)  # fmt: skip
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _write(path: Path, header: dict, results: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**header, "results": results}, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _fmt(row: dict | None) -> str:

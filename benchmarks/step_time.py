@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ from benchmarks.harness import (  # noqa: E402
     names,
     run_env,
     start_run,
+    write_results,
 )
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.datasets import load_dataset  # noqa: E402
@@ -229,9 +228,7 @@ def main(argv=None) -> dict:
             ratio = "" if r["ratio_to_stock"] is None else f" x{r['ratio_to_stock']:.2f}"
             err = f" ERROR {r['error'][:100]}" if r["error"] else ""
             print(f"  {name:6s} {r['method']:18s} {t}{ratio}{err}", flush=True)
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**header, "results": results}, indent=1, default=str))
-        os.replace(tmp, out_path)
+        write_results(out_path, header, results)
     print()
     print(table(results))
     print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f}s)")

@@ -475,6 +475,13 @@ def load_data(args: argparse.Namespace, **kwargs):
     return data.to(args.device), load_s
 
 
+def write_json(path: str, summary: dict[str, Any]) -> None:
+    """``summary`` as indented JSON at ``path``, its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
 def bits_label(args: argparse.Namespace) -> str:
     """``fp32`` or e.g. ``2 bits adaptive``: what the run compresses to, for the header."""
     if args.bits is None:
@@ -530,9 +537,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": {k: v for k, v in vars(args).items()},
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(args.json, summary)
     return summary
 
 

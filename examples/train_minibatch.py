@@ -324,9 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": dict(vars(args)),
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        full.write_json(args.json, summary)
     return summary
 
 
