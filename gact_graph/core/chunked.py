@@ -8,8 +8,8 @@ subclass with ``mat1``'s shape, dtype and device whose data stay compressed; the
 the matmul backward computes with it (``mat1.t().mm(G)`` and ``G.t().mm(mat1)``, see PyTorch's
 ``mm_mat2_backward``) are summed over row chunks (`chunked_tmm`), and any other operation gets
 the whole dequantized copy (correct, just not lean). The sensitivity probe hands it to the
-matmul nodes of its partial backwards (`gact_graph.policy.sensitivity`), where that copy was
-the largest single transient of a probed step on GAT.
+matmul nodes of its partial backwards (`gact_graph.policy.sensitivity`), where that copy would
+be the largest single transient of a probed step on GAT.
 """
 
 from __future__ import annotations
