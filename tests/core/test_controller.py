@@ -12,6 +12,7 @@ from gact_graph import CompressionConfig, Controller, compress_gnn
 from gact_graph.core.controller import Stored
 from gact_graph.core.quantize import QTensor
 from gact_graph.memory import count_saved_bytes
+from tests.toy_models import LinearGCN, ReluGCN
 
 
 def _mlp(seed=0, d_in=64, hidden=96, d_out=8):
@@ -33,29 +34,6 @@ def _grads(model, fn):
 
 def _rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-class _LinearGCN(nn.Module):
-    """GCN without nonlinearity: every saved activation enters backward linearly."""
-
-    def __init__(self, d_in, hidden, d_out, layers=3):
-        super().__init__()
-        dims = [d_in] + [hidden] * (layers - 1) + [d_out]
-        self.convs = nn.ModuleList(GCNConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x, edge_index):
-        for conv in self.convs:
-            x = conv(x, edge_index)
-        return x
-
-
-class _ReluGCN(_LinearGCN):
-    def forward(self, x, edge_index):
-        for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index)
-            if i < len(self.convs) - 1:
-                x = torch.relu(x)
-        return x
 
 
 def _graph(n=300, e=1500, f=32, seed=0):
@@ -126,7 +104,7 @@ def test_bits8_gradients_match_fp32_mlp():
 def test_bits8_gradients_match_fp32_pyg_gcn():
     torch.manual_seed(0)
     x, ei = _graph(n=2000, e=10000, f=64)
-    model = _ReluGCN(64, 64, 7)
+    model = ReluGCN(64, 64, 7)
     y = torch.randint(0, 7, (2000,))
 
     def loss():
@@ -143,7 +121,7 @@ def test_bits8_gradients_match_fp32_pyg_gcn():
 def test_lossless_mode_is_bit_identical():
     torch.manual_seed(0)
     x, ei = _graph()
-    model = _ReluGCN(32, 32, 5)
+    model = ReluGCN(32, 32, 5)
 
     def loss():
         return model(x, ei).square().mean()
@@ -189,7 +167,7 @@ def _errors_of_the_mean(model_class) -> tuple[float, float]:
 
 
 def test_bits2_gradient_is_unbiased_when_saved_tensors_enter_backward_linearly():
-    e_small, e_large = _errors_of_the_mean(_LinearGCN)
+    e_small, e_large = _errors_of_the_mean(LinearGCN)
     # Unbiased: the error of the mean shrinks like 1/sqrt(n) (x3 less for 9x more samples).
     assert e_large < e_small / 2.2, (e_small, e_large)
 
@@ -198,7 +176,7 @@ def test_bits2_quantized_relu_output_biases_the_gradient():
     """GACT's footnote 1: ReLU backward reads the sign of its saved *output*; quantizing it
     (without the 1-bit mask path) flips small positives to zero, a bias that averaging does
     not remove. Measured here so the pointwise path has a number to remove."""
-    e_small, e_large = _errors_of_the_mean(_ReluGCN)
+    e_small, e_large = _errors_of_the_mean(ReluGCN)
     # The error plateaus at the bias instead of shrinking 3x.
     print(f"quantized-ReLU gradient bias (relative, mean of 144): {e_large:.4f}")
     assert e_large > e_small / 2.2, (e_small, e_large)
@@ -368,7 +346,7 @@ def test_double_backward_through_quantized_tensor_raises():
 def test_remove_restores_model_exactly():
     torch.manual_seed(0)
     x, ei = _graph()
-    model = _ReluGCN(32, 32, 5)
+    model = ReluGCN(32, 32, 5)
     hooks_before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
     sd_before = {k: v.clone() for k, v in model.state_dict().items()}
     ctl = compress_gnn(model, bits=2)
@@ -451,7 +429,7 @@ def test_config_validation():
 def test_stock_count_matches_compressed_orig_bytes():
     torch.manual_seed(0)
     x, ei = _graph(n=3000, e=15000, f=64)
-    model = _ReluGCN(64, 64, 5)
+    model = ReluGCN(64, 64, 5)
     stock = count_saved_bytes(lambda: model(x, ei), model)
     with compress_gnn(model, bits=2, sparse=False, pointwise=False) as ctl:
         model(x, ei)
@@ -464,7 +442,7 @@ def test_stock_count_matches_compressed_orig_bytes():
 def test_report_lists_modules():
     torch.manual_seed(0)
     x, ei = _graph()
-    model = _ReluGCN(32, 32, 5)
+    model = ReluGCN(32, 32, 5)
     with compress_gnn(model, bits=2) as ctl:
         model(x, ei)
         rep = ctl.report()

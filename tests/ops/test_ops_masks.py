@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import GCNConv
 
 import gact_graph.ops.masks as M
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
 from gact_graph.ops import PointwiseMode
 from tests.devices import DEVICES
+from tests.toy_models import ReluGCN
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -220,20 +220,6 @@ def test_module_paths_mark_pointwise_modules():
 
 
 # ---------------------------------------------------------------- unbiasedness at 2 bits
-class _ReluGCN(nn.Module):
-    def __init__(self, d_in, hidden, d_out, layers=3):
-        super().__init__()
-        dims = [d_in] + [hidden] * (layers - 1) + [d_out]
-        self.convs = nn.ModuleList(GCNConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x, edge_index):
-        for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index)
-            if i < len(self.convs) - 1:
-                x = torch.relu(x)
-        return x
-
-
 def _grads(model, loss):
     model.zero_grad(set_to_none=True)
     loss().backward()
@@ -260,7 +246,7 @@ def test_bits2_relu_gradient_is_unbiased_with_pointwise_masks():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(400, 32, generator=g)
     ei = torch.randint(0, 400, (2, 2000), generator=g)
-    model = _ReluGCN(32, 32, 4, layers=2)
+    model = ReluGCN(32, 32, 4, layers=2)
     target = torch.randn(400, 4)
 
     def loss():
