@@ -3,7 +3,7 @@
 PyG's datasets process their raw files on first load and write the result with a plain
 ``torch.save``; two processes loading the same root at once (parallel runs of the example, a
 DDP launch, the accuracy table's ``--jobs``) both process, and one can read the other's
-half-written file (seen here: ``--jobs 2`` on a fresh Cora root). An advisory lock on a file in
+half-written file (``--jobs 2`` on a fresh Cora root does). An advisory lock on a file in
 the dataset's folder serializes the first load; later loads only read, under the same lock,
 which costs nothing measurable.
 """

@@ -105,11 +105,11 @@ def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor, dtype: torc
         if x.device.type == "cpu":
             # torch.sparse.mm is zeros + addmm on CPU: two output-sized tensors at once (the
             # backward's peak when a probe or a recomputation stacks on it); beta=0 into one
-            # fresh buffer makes one, and is no slower (8,000 x 64: 0.57 vs 0.65 ms)
+            # fresh buffer makes one, and is no slower (docs/results/spmm_cpu_buffer.md)
             out = x2.new_empty((n, x2.size(1)), dtype=compute)
             torch.addmm(out, a, x2.to(compute), beta=0, out=out)
             out = out.to(dtype)
-        else:  # CUDA: the same change waits for a GPU to be checked on
+        else:  # CUDA: the one-buffer form is not yet checked on a GPU
             out = torch.sparse.mm(a, x2.to(compute)).to(dtype)
     if x.dim() != 2:
         # a fresh tensor, not a view: callers (GCN2Conv) modify the output in place
