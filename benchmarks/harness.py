@@ -79,6 +79,7 @@ __all__ = [
     "budget_meaning",
     "command_line",
     "write_results",
+    "sync",
 ]
 
 _GIB = 1 << 30
@@ -736,3 +737,9 @@ def write_results(path: Path, header: dict[str, Any], results: list[dict[str, An
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({**header, "results": results}, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CUDA stream) before a timer reads the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import command_line, names, run_env, start_run  # noqa: E402
+from benchmarks.harness import command_line, names, run_env, start_run, sync  # noqa: E402
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.datasets.synthetic import load_synthetic  # noqa: E402
 from gact_graph.models import build_model, preset  # noqa: E402
@@ -67,11 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry", action="store_true", help="tiny CPU run (a tenth of the graph)")
     p.add_argument("--json", default="results/small_graph_epoch.json")
     return p.parse_args(argv)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_graph(args: argparse.Namespace, device: torch.device):
@@ -114,7 +109,7 @@ def time_model(label: str, data, methods: list[str], device, args) -> list[dict]
     del base
 
     def epoch(run) -> float:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model = run["model"]
         model.train()
@@ -127,7 +122,7 @@ def time_model(label: str, data, methods: list[str], device, args) -> list[dict]
             with torch.no_grad():
                 pred = model(x, ei).argmax(-1)
                 run["val_acc"] = (pred[val] == y[val]).float().mean()  # stays on the device
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     with warnings.catch_warnings():

@@ -39,6 +39,7 @@ from benchmarks.harness import (  # noqa: E402
     names,
     run_env,
     start_run,
+    sync,
     write_results,
 )
 from gact_graph import compress_gnn  # noqa: E402
@@ -83,11 +84,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
     cfg = preset(name, args.dataset)
     if args.layers:
@@ -118,13 +114,13 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             run["rest"] = torch.cuda.memory_allocated(device)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         run["fn"]()
         run["opt"].step()
         if run["ctl"] is not None:
             run["ctl"].iterate(run["fn"])
-        _sync(device)
+        sync(device)
         run["last"] = time.perf_counter() - t0
         if device.type == "cuda":
             run["last_peak"] = torch.cuda.max_memory_allocated(device)
