@@ -232,6 +232,9 @@ def _sass_row(kind: str, tname: str, bits: int, cfg, group_size: int) -> str:
         f.flush()
         sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
+        usage = subprocess.run([str(nvdisasm.parent / "cuobjdump"), "--dump-resource-usage",
+                                f.name], capture_output=True, text=True).stdout  # fmt: skip
+    regs = re.search(r"REG:(\d+)", usage)
     n = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln))
     per_thread = groups * h * t * v / (32 * cfg.warps)
     ptx = k.asm["ptx"]
@@ -239,19 +242,22 @@ def _sass_row(kind: str, tname: str, bits: int, cfg, group_size: int) -> str:
     st = sorted(set(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx)))
     bar = len(re.findall(r"\bbar\.sync\b", ptx))
     return (f"| {kind} | {tname} | {bits} | {n / per_thread:.1f} | {' '.join(ld)} "
-            f"| {' '.join(st)} | {bar} | {tuple(cfg)} |")  # fmt: skip
+            f"| {' '.join(st)} | {bar} | {regs.group(1) if regs else '?'} "
+            f"| {tuple(cfg)} |")  # fmt: skip
 
 
 def sass_report(bits_list, group_size: int = 256, dtypes=("fp32", "bf16"), configs=None) -> str:
     """SASS instructions per element of the quantize / dequantize kernels (sm_90, no GPU), with
-    the PTX's global load / store widths and its barriers (a layout change through shared
-    memory), for each configuration in ``configs`` (default: each direction's untuned one)."""
+    the PTX's global load / store widths, its barriers (a layout change through shared memory)
+    and the registers per thread (they bound how many programs an SM holds), for each
+    configuration in ``configs`` (default: each direction's untuned one)."""
     from gact_graph.kernels import quantize as kq
 
     default = configs is None
     lines = [
-        "| kernel | dtype | bits | SASS / element | loads | stores | bar.sync | config |",
-        "|---|---|---:|---:|---|---|---:|---|",
+        "| kernel | dtype | bits | SASS / element | loads | stores | bar.sync | registers "
+        "| config |",
+        "|---|---|---:|---:|---|---|---:|---:|---|",
     ]
     for kind in ("quantize", "dequantize"):
         for tname in dtypes:

@@ -103,11 +103,18 @@ if triton is not None:
 
     @triton.jit
     def _packed_bytes(grp, live, BITS: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
-                      T: tl.constexpr, V: tl.constexpr):  # fmt: skip
+                      T: tl.constexpr, V: tl.constexpr, ES: tl.constexpr):  # fmt: skip
         """Byte offsets into ``packed`` of a ``(H, GROUPS, T, V // P)`` tile, ``P = 8 // BITS``
-        (the bytes that pack the codes of the value tile of :func:`_tile`), and which exist."""
+        (the bytes that pack the codes of the value tile of :func:`_tile`), and which exist.
+
+        A thread accesses the values in vectors of ``min(V, 16 / ES)`` elements (``ES``: their
+        bytes); the offsets are declared contiguous in runs of that vector's bytes only, so the
+        packed side is laid out over the threads as the values are (otherwise Triton would give
+        a thread the bytes of several threads' runs and move them through shared memory)."""
         P: tl.constexpr = 8 // BITS
         BPG: tl.constexpr = G * BITS // 8
+        VEC: tl.constexpr = V if V * ES <= 16 else 16 // ES
+        RUN_BYTES: tl.constexpr = VEC // P if VEC >= P else 1
         h = tl.arange(0, H)[:, None, None, None]
         t = tl.arange(0, T)[None, None, :, None]
         vb = tl.arange(0, V // P)[None, None, None, :]
@@ -115,7 +122,8 @@ if triton is not None:
         mask = live[None, :, None, None]
         if H * T * V != G:
             mask = mask & (b < BPG)
-        return grp[None, :, None, None] * BPG + b, mask
+        offs = tl.max_contiguous(grp[None, :, None, None] * BPG + b, [1, 1, 1, RUN_BYTES])
+        return offs, mask
 
     @triton.jit
     def _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W, G: tl.constexpr,
@@ -272,7 +280,8 @@ if triton is not None:
         shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
         code = tl.reshape(code, (H, GROUPS, T, V // P, P))
         byte = tl.sum(code << shift, axis=4).to(tl.uint8)  # disjoint bits
-        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V)
+        es: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V, es)
         tl.store(packed_ptr + boffs, byte, mask=bmask)
         word = (lo16 | (sc16 << 16)).to(tl.int32, bitcast=True)  # (lo, scale) little-endian
         tl.store(meta_ptr + grp, word, mask=live)
@@ -310,7 +319,8 @@ if triton is not None:
         grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
         _, offs, valid = _elements(grp, live, pos, numel, R, C, C, 1, n, k, W,
                                    G, BLOCK, DENSE, PARTIAL, SPLIT)  # fmt: skip
-        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V)
+        es: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V, es)
         byte = tl.load(packed_ptr + boffs, mask=bmask, other=0)
         shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
         code = (byte.to(tl.uint32)[:, :, :, :, None] >> shift) & LEVELS
@@ -355,17 +365,19 @@ class LaunchConfig(NamedTuple):
     run: int  #: contiguous elements a thread holds per run (see :func:`tile_shape`)
 
 
-#: Configurations the lazy autotuner times. Fewer threads per group
-#: make its range cheaper (fewer shuffles, metadata computed by fewer threads); longer runs give
-#: each thread more contiguous bytes per access (two or four 16-byte vectors of fp32) and fewer
-#: runs, shorter ones make each warp instruction cover whole 128-byte lines. Few entries: each
-#: one is a compilation the first time a width is used.
+#: Configurations the lazy autotuner times. Fewer threads per group make its range cheaper
+#: (fewer shuffles, metadata computed by fewer threads) but give each thread more elements, hence
+#: more registers and fewer resident programs (less memory traffic in flight); 16 threads per
+#: group halve both. A thread accesses at most 16 contiguous bytes at once, so a run longer than
+#: that is shared by neighbouring threads: 8-element fp32 runs make each warp instruction cover
+#: 256 contiguous bytes of a group instead of 128. Few entries: each one is a compilation the
+#: first time a width is used.
 CONFIGS = (
     LaunchConfig(4096, 4, 8, 8),
     LaunchConfig(4096, 4, 8, 4),
     LaunchConfig(8192, 8, 8, 8),
     LaunchConfig(8192, 4, 4, 8),
-    LaunchConfig(8192, 8, 8, 16),
+    LaunchConfig(2048, 4, 16, 4),
 )
 #: what runs untuned (small tensors, no CUDA, ``GACT_GRAPH_AUTOTUNE=0``): for quantize the
 #: configuration with the fewest instructions per element; for dequantize 8-element runs, the

@@ -161,7 +161,7 @@ def test_every_tuned_configuration_gives_the_same_bits(cfg, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED or not HAS_CUDA, reason="needs CUDA")
-def test_tuner_times_every_configuration_per_dtype(monkeypatch):
+def test_cuda_tuner_times_every_configuration_per_dtype(monkeypatch):
     """One large tensor tunes its key (direction, bits, g, element size, dense) once: every
     configuration timed, the fastest chosen; bf16 of the same width tunes separately."""
     monkeypatch.setattr(kq, "_TUNED", {})
