@@ -66,22 +66,13 @@ def median_seconds(fn, device: torch.device, repeats: int, warmup: int) -> float
 
 
 def device_seconds(fn, repeats: int, rounds: int = 3) -> float:
-    """Device seconds per call of ``fn`` (CUDA): CUDA events around ``repeats`` calls queued back
-    to back, best of ``rounds``. The host's launch path stays hidden while it is shorter than
-    the kernels; the wall-clock figures of :func:`median_seconds` include it."""
+    """Device seconds per call of ``fn`` (CUDA), without the host's launch path that the
+    wall-clock figures of :func:`median_seconds` include (see ``launch_ms``)."""
+    from gact_graph.kernels.quantize import launch_ms
+
     fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        stop.record()
-        stop.synchronize()
-        best = min(best, start.elapsed_time(stop) / 1e3 / repeats)
-    return best
+    return launch_ms(fn, repeats, rounds) / 1e3
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -39,11 +39,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 __all__ = [
+    "LaunchConfig",
     "decode_meta",
     "dequantize_reference",
+    "forced_config",
+    "launch_ms",
     "quantize_reference",
     "triton_dequantize",
     "triton_quantize",
+    "tuning_log",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -508,24 +512,31 @@ def _launch(
     go(cfg)
 
 
+def launch_ms(fn, launches: int, rounds: int) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA device: CUDA events around
+    ``launches`` calls queued back to back, best of ``rounds``. While the host's launch path is
+    shorter than the kernels it stays hidden, so this is the device's time."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / launches)
+    return best
+
+
 def _time_configs(go, device: torch.device) -> dict[LaunchConfig, float]:
     """Milliseconds per launch of each of `CONFIGS` on this call's tensor (each one's output is
-    the same): the best of `TUNE_ROUNDS` runs of `TUNE_LAUNCHES` launches queued back to back."""
+    the same)."""
     times = {}
     with torch.cuda.device(device):
         for cfg in CONFIGS:
             go(cfg)  # compile and warm up
-            best = float("inf")
-            for _ in range(TUNE_ROUNDS):
-                start = torch.cuda.Event(enable_timing=True)
-                stop = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(TUNE_LAUNCHES):
-                    go(cfg)
-                stop.record()
-                stop.synchronize()
-                best = min(best, start.elapsed_time(stop) / TUNE_LAUNCHES)
-            times[cfg] = best
+            times[cfg] = launch_ms(lambda c=cfg: go(c), TUNE_LAUNCHES, TUNE_ROUNDS)
     return times
 
 
