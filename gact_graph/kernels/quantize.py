@@ -17,6 +17,7 @@ bf16 holding ``lo_b`` and ``scale_b``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
@@ -38,23 +39,25 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 __all__ = [
+    "LaunchConfig",
     "decode_meta",
     "dequantize_reference",
+    "forced_config",
+    "launch_ms",
     "quantize_reference",
     "triton_dequantize",
     "triton_quantize",
+    "tuning_log",
 ]
 
 _MASK32 = 0xFFFFFFFF
 _BF16_NAN = 0x7FC0
 _CONST_FLAG = 0x8000
 _INV_2_24 = 1.0 / 16777216.0
-#: default block size of the reference (elements of the group matrix per step). A block of the
-#: quantizer holds about 13 bytes per element in temporaries (fp32 values, int32 hash words and
-#: their scratch, uint8 codes): 3.3 MiB at 2**18, which on CPU is the step's peak when it lands
-#: on the forward's widest moment (GCN 8,000 x 64 at 1 bit: 16.0 -> 12.3 MiB of live tensors
-#: going from 2**20 to 2**18). Smaller blocks pay Python overhead per block (2**16: quantize
-#: 1.8x slower on a 169k x 256 tensor; 2**18: 1.1x).
+#: default block size of the reference (elements of the group matrix per step). A block holds
+#: about 13 bytes per element in temporaries (fp32 values, int32 hash words and their scratch,
+#: uint8 codes), so this bounds the reference's extra memory; smaller blocks pay Python overhead
+#: per block (docs/design.md, the quantizer, gives the measured trade-off).
 CHUNK_ELEMS = 1 << 18
 
 #: Largest finite fp16. A group's range is stored rounded outward to bf16, so the top level
@@ -103,12 +106,28 @@ if triton is not None:
         return grp, grp < num_groups, h * (T * V) + t * V + v
 
     @triton.jit
-    def _byte_index(H: tl.constexpr, T: tl.constexpr, V: tl.constexpr, P: tl.constexpr):
-        """Byte of its group that each slot of a ``(H, 1, T, V // P)`` tile packs."""
+    def _packed_bytes(grp, live, BITS: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
+                      T: tl.constexpr, V: tl.constexpr, ES: tl.constexpr):  # fmt: skip
+        """Byte offsets into ``packed`` of a ``(H, GROUPS, T, V // P)`` tile, ``P = 8 // BITS``
+        (the bytes that pack the codes of the value tile of :func:`_tile`), and which exist.
+
+        A thread accesses the values in vectors of ``min(V, 16 / ES)`` elements (``ES``: their
+        bytes); the offsets are declared contiguous in runs of that vector's bytes only, so the
+        packed side is laid out over the threads as the values are (otherwise Triton would give
+        a thread the bytes of several threads' runs and move them through shared memory)."""
+        P: tl.constexpr = 8 // BITS
+        BPG: tl.constexpr = G * BITS // 8
+        VEC: tl.constexpr = V if V * ES <= 16 else 16 // ES
+        RUN_BYTES: tl.constexpr = VEC // P if VEC >= P else 1
         h = tl.arange(0, H)[:, None, None, None]
         t = tl.arange(0, T)[None, None, :, None]
         vb = tl.arange(0, V // P)[None, None, None, :]
-        return h * (T * V // P) + t * (V // P) + vb
+        b = h * (T * V // P) + t * (V // P) + vb
+        mask = live[None, :, None, None]
+        if H * T * V != G:
+            mask = mask & (b < BPG)
+        offs = tl.max_contiguous(grp[None, :, None, None] * BPG + b, [1, 1, 1, RUN_BYTES])
+        return offs, mask
 
     @triton.jit
     def _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W, G: tl.constexpr,
@@ -170,13 +189,13 @@ if triton is not None:
         numel,
         R,
         C,
-        stride_r,
-        stride_c,
         num_groups,
         group0,
         n,
         k,
         W,
+        stride_r,
+        stride_c,
         key,
         inv_levels,
         BITS: tl.constexpr,
@@ -195,7 +214,6 @@ if triton is not None:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         P: tl.constexpr = 8 // BITS
         BLOCK: tl.constexpr = H * T * V
-        BPG: tl.constexpr = G * BITS // 8
         ELEM_MASK: tl.constexpr = (not DENSE) or PARTIAL or BLOCK != G
         grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
         offs, _, valid = _elements(grp, live, pos, numel, R, C, stride_r, stride_c, n, k, W,
@@ -266,11 +284,9 @@ if triton is not None:
         shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
         code = tl.reshape(code, (H, GROUPS, T, V // P, P))
         byte = tl.sum(code << shift, axis=4).to(tl.uint8)  # disjoint bits
-        b = _byte_index(H, T, V, P)
-        bmask = live[None, :, None, None]
-        if BLOCK != G:
-            bmask = bmask & (b < BPG)
-        tl.store(packed_ptr + grp[None, :, None, None] * BPG + b, byte, mask=bmask)
+        es: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V, es)
+        tl.store(packed_ptr + boffs, byte, mask=bmask)
         word = (lo16 | (sc16 << 16)).to(tl.int32, bitcast=True)  # (lo, scale) little-endian
         tl.store(meta_ptr + grp, word, mask=live)
 
@@ -304,15 +320,12 @@ if triton is not None:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         P: tl.constexpr = 8 // BITS
         BLOCK: tl.constexpr = H * T * V
-        BPG: tl.constexpr = G * BITS // 8
         grp, live, pos = _tile(group0, num_groups, GROUPS, H, T, V)
         _, offs, valid = _elements(grp, live, pos, numel, R, C, C, 1, n, k, W,
                                    G, BLOCK, DENSE, PARTIAL, SPLIT)  # fmt: skip
-        b = _byte_index(H, T, V, P)
-        bmask = live[None, :, None, None]
-        if BLOCK != G:
-            bmask = bmask & (b < BPG)
-        byte = tl.load(packed_ptr + grp[None, :, None, None] * BPG + b, mask=bmask, other=0)
+        es: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+        boffs, bmask = _packed_bytes(grp, live, BITS, G, H, T, V, es)
+        byte = tl.load(packed_ptr + boffs, mask=bmask, other=0)
         shift = (tl.arange(0, P) * BITS).to(tl.uint32)[None, None, None, None, :]
         code = (byte.to(tl.uint32)[:, :, :, :, None] >> shift) & LEVELS
         code = tl.reshape(code, (H, GROUPS, T, V))
@@ -330,8 +343,9 @@ if triton is not None:
         )
         # the code as fp32 without a conversion instruction: 2**23 + code, minus 2**23
         code_f = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        val = lo_eff[None, :, None, None] + code_f * sc_eff[None, :, None, None]
-        # (the product is exact)
+        # lo + code * scale in one instruction: the product is exact (at most 8 + 8 significant
+        # bits), so the fused form rounds once, as the reference's separate multiply and add do
+        val = tl.fma(code_f, sc_eff[None, :, None, None], lo_eff[None, :, None, None])
         if OUT_FP16:  # 65504 = FP16_MAX (see there); NaN groups stay NaN
             val = tl.minimum(tl.maximum(val, -65504.0, tl.PropagateNan.ALL), 65504.0,
                              tl.PropagateNan.ALL)  # fmt: skip
@@ -346,14 +360,43 @@ if triton is not None:
             tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-#: ``(elements per program, warps, threads per group)`` tried by the lazy autotuner; the first
-#: is the default. Fewer threads per group make its range cheaper (fewer shuffles, metadata
-#: computed by fewer threads); each memory instruction of a warp still reads 128 contiguous
-#: bytes or more. Few entries: each one is a compilation the first time a width is used.
-CONFIGS = ((4096, 4, 8), (8192, 8, 8), (4096, 4, 16), (8192, 4, 4))
-_TUNED: dict[tuple, tuple[int, int, int]] = {}
+class LaunchConfig(NamedTuple):
+    """How the quantize / dequantize kernels cut the groups into programs and threads."""
+
+    elems: int  #: elements per program (whole groups: a power of 2 of them)
+    warps: int  #: warps per program
+    threads: int  #: threads sharing a group
+    run: int  #: contiguous elements a thread holds per run (see :func:`tile_shape`)
+
+
+#: Configurations the lazy autotuner times. Fewer threads per group make its range cheaper
+#: (fewer shuffles, metadata computed by fewer threads) but give each thread more elements, hence
+#: more registers and fewer resident programs (less memory traffic in flight); 16 threads per
+#: group halve both. A thread accesses at most 16 contiguous bytes at once, so a run longer than
+#: that is shared by neighbouring threads: 8-element fp32 runs make each warp instruction cover
+#: 256 contiguous bytes of a group instead of 128. Few entries: each one is a compilation the
+#: first time a width is used.
+CONFIGS = (
+    LaunchConfig(4096, 4, 8, 8),
+    LaunchConfig(4096, 4, 8, 4),
+    LaunchConfig(8192, 8, 8, 8),
+    LaunchConfig(8192, 4, 4, 8),
+    LaunchConfig(2048, 4, 16, 4),
+)
+#: what runs untuned (small tensors, no CUDA, ``GACT_GRAPH_AUTOTUNE=0``): for quantize the
+#: configuration with the fewest instructions per element; for dequantize 8-element runs, the
+#: shape of the dequantize cases that ran fastest on the GPU (docs/results/gpu.md)
+DEFAULTS = {"quantize": CONFIGS[1], "dequantize": CONFIGS[0]}
+_TUNED: dict[tuple, LaunchConfig] = {}
+#: milliseconds per launch of every configuration, for each key the tuner has timed
+_TIMINGS: dict[tuple, dict[LaunchConfig, float]] = {}
+_FORCED: list[LaunchConfig] = []
 #: tensors with fewer (padded) elements than this never tune
 TUNE_MIN_ELEMS = 1 << 20
+#: back-to-back launches the tuner times per configuration (and rounds of them, best kept):
+#: enough that the device, not the host's launch path, sets the pace on a large tensor
+TUNE_LAUNCHES = 10
+TUNE_ROUNDS = 2
 #: padded sizes from which the quantizer keys its RNG per element (offsets past 2**32); a test
 #: lowers it to run that path on small tensors
 WIDE_FROM = 1 << 32
@@ -381,14 +424,32 @@ def _is_dense(layout: GroupLayout) -> bool:
     return (k == 1 and n * g == cols) or (k > 1 and k * cols == g)
 
 
-def tile_shape(g: int, bits: int, element_size: int, threads: int) -> tuple[int, int, int]:
+def tile_shape(
+    g: int, bits: int, element_size: int, threads: int, run: int = 1
+) -> tuple[int, int, int]:
     """``(H, T, V)``: a group is an ``(H, T, V)`` tile, ``T`` threads each holding ``H`` runs
-    of ``V`` contiguous elements, ``V`` at least one 16-byte vector of the unpacked dtype and
-    one packed byte's codes; ``H * T * V`` is ``g`` rounded up to a power of 2."""
+    of ``V`` contiguous elements, ``V`` at least ``run``, one 16-byte vector of the unpacked
+    dtype and one packed byte's codes; ``H * T * V`` is ``g`` rounded up to a power of 2."""
     block = triton.next_power_of_2(g)
-    v = min(max(16 // element_size, 8 // bits), block)
+    v = min(max(triton.next_power_of_2(run), 16 // element_size, 8 // bits), block)
     t = max(1, min(threads, block // v))
     return block // (t * v), t, v
+
+
+@contextlib.contextmanager
+def forced_config(cfg: LaunchConfig) -> Iterator[None]:
+    """Within the block every launch uses ``cfg`` and nothing is tuned (benchmarks, tests)."""
+    _FORCED.append(LaunchConfig(*cfg))
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def tuning_log() -> dict[tuple, tuple[LaunchConfig, dict[LaunchConfig, float]]]:
+    """For each ``(kind, bits, g, element size, dense)`` tuned so far: the configuration chosen
+    and every configuration's milliseconds per launch."""
+    return {key: (cfg, dict(_TIMINGS.get(key, {}))) for key, cfg in _TUNED.items()}
 
 
 def _launch(
@@ -400,61 +461,83 @@ def _launch(
     dense: bool,
     run,
 ) -> None:
-    """Run ``run(group0, num_groups, groups, partial, warps, tile, grid)`` over all groups.
+    """Run ``run(grid, ints, constexprs)`` over all groups: ``ints`` are the kernels' layout
+    arguments ``(numel, R, C, num_groups, group0, n, k, W)``, ``constexprs`` their tile
+    parameters and ``num_warps``.
 
-    The configuration (elements per program, warps, threads per group) is tuned once per
-    ``(kind, bits, g)`` on CUDA, at first use, never per tensor size; programs are then made
-    smaller only where a small tensor would leave most of the device idle. A dense layout whose
-    last group ends early runs that group in a launch of its own, so the bulk keeps
-    group-level masks (and vectorized loads and stores).
+    The configuration is tuned once per ``(kind, bits, g, element size, dense)`` on CUDA, at
+    first use, never per tensor size; programs are then made smaller only where a small tensor
+    would leave most of the device idle. A dense layout whose last group ends early runs that
+    group in a launch of its own, so the bulk keeps group-level masks (and vectorized loads and
+    stores).
     """
     g, ng = layout.group_size, layout.num_groups
     block = triton.next_power_of_2(g)
     partial = dense and layout.rows * layout.cols != ng * g
 
-    def go(cfg: tuple[int, int, int]) -> None:
-        elems, warps, threads = cfg
-        tile = tile_shape(g, bits, element_size, threads)
-        groups = triton.next_power_of_2(max(1, elems // block))
+    def launch(group0: int, end: int, groups: int, part: bool, warps: int, tile) -> None:
+        """Groups ``[group0, end)``, ``groups`` per program."""
+        ints = (layout.rows * layout.cols, layout.rows, layout.cols, end, group0,
+                layout.groups_per_row, layout.rows_per_group, layout.row_width)  # fmt: skip
+        cx = dict(BITS=bits, G=g, GROUPS=groups, H=tile[0], T=tile[1], V=tile[2], DENSE=dense,
+                  PARTIAL=part, SPLIT=layout.rows_per_group == 1, num_warps=warps)  # fmt: skip
+        run((triton.cdiv(end - group0, groups),), ints, cx)
+
+    def go(cfg: LaunchConfig) -> None:
+        tile = tile_shape(g, bits, element_size, cfg.threads, cfg.run)
+        groups = triton.next_power_of_2(max(1, cfg.elems // block))
         if device.type == "cuda":  # at least about two programs per SM where the size allows
             while groups > 1 and -(-ng // groups) < 2 * _sm_count(device):
                 groups //= 2
         bulk = ng - 1 if partial else ng
         if bulk > 0:
-            run(0, bulk, groups, False, warps, tile, (triton.cdiv(bulk, groups),))
+            launch(0, bulk, groups, False, cfg.warps, tile)
         if partial:
-            run(ng - 1, ng, 1, True, 4, tile, (1,))
+            launch(ng - 1, ng, 1, True, 4, tile)
 
-    key = (kind, bits, g)
+    if _FORCED:
+        go(_FORCED[-1])
+        return
+    key = (kind, bits, g, element_size, dense)
     cfg = _TUNED.get(key)
     if cfg is None:
         # a small tensor's timings say little (launch overhead): it runs the default and the
-        # first large tensor of this width tunes
+        # first large tensor of this kind tunes
         if not _autotune_enabled(device) or ng * g < TUNE_MIN_ELEMS:
-            cfg = CONFIGS[0]
+            cfg = DEFAULTS[kind]
         else:
-            cfg = _tune(go, device)
+            _TIMINGS[key] = _time_configs(go, device)
+            cfg = min(_TIMINGS[key], key=_TIMINGS[key].__getitem__)
             _TUNED[key] = cfg
     go(cfg)
 
 
-def _tune(go, device: torch.device) -> tuple[int, int, int]:
-    """The fastest of `CONFIGS` on this call's tensor (each one's output is the same)."""
-    best, best_ms = CONFIGS[0], float("inf")
+def launch_ms(fn, launches: int, rounds: int) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA device: CUDA events around
+    ``launches`` calls queued back to back, best of ``rounds``. While the host's launch path is
+    shorter than the kernels it stays hidden, so this is the device's time."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / launches)
+    return best
+
+
+def _time_configs(go, device: torch.device) -> dict[LaunchConfig, float]:
+    """Milliseconds per launch of each of `CONFIGS` on this call's tensor (each one's output is
+    the same)."""
+    times = {}
     with torch.cuda.device(device):
         for cfg in CONFIGS:
             go(cfg)  # compile and warm up
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                go(cfg)
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop)
-            if ms < best_ms:
-                best, best_ms = cfg, ms
-    return best
+            times[cfg] = launch_ms(lambda c=cfg: go(c), TUNE_LAUNCHES, TUNE_ROUNDS)
+    return times
 
 
 def _require_triton() -> None:
@@ -476,39 +559,15 @@ def triton_quantize(
         dense = _is_dense(layout) and x2d.is_contiguous()
         wide = layout.padded_numel > WIDE_FROM
         key = (seed & _MASK32) if wide else rng_key(seed)
+        key = key - (1 << 32) if key >= 1 << 31 else key  # as int32
         meta32 = meta.view(torch.int32)
-        g = layout.group_size
 
-        def run(group0, num_groups, groups, partial, warps, tile, grid):
+        def run(grid, ints, cx):
             _quantize_pack_kernel[grid](
-                x2d,
-                packed,
-                meta32,
-                layout.rows * layout.cols,
-                layout.rows,
-                layout.cols,
-                x2d.stride(0),
-                x2d.stride(1),
-                num_groups,
-                group0,
-                layout.groups_per_row,
-                layout.rows_per_group,
-                layout.row_width,
-                key - (1 << 32) if key >= 1 << 31 else key,  # as int32
-                _inv_levels(bits),
-                BITS=bits,
-                G=g,
-                GROUPS=groups,
-                H=tile[0],
-                T=tile[1],
-                V=tile[2],
-                DENSE=dense,
-                PARTIAL=partial,
-                SPLIT=layout.rows_per_group == 1,
-                WIDE=wide,
-                num_warps=warps,
+                x2d, packed, meta32, *ints, x2d.stride(0), x2d.stride(1), key, _inv_levels(bits),
+                WIDE=wide, **cx,
                 enable_fp_fusion=False,  # t + u must round after t = (x - lo) * inv
-            )
+            )  # fmt: skip
 
         _launch("quantize", bits, layout, x.element_size(), x.device, dense, run)
     return packed, meta.view(torch.bfloat16)
@@ -527,39 +586,17 @@ def triton_dequantize(
     layout = _resolve_layout(shape, group_size)
     out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
     if layout.num_groups:
-        dense = _is_dense(layout)
         meta32 = meta.view(torch.int16).view(torch.int32)
         out_k = out.view(torch.int16) if dtype == torch.bfloat16 else out
-        g = layout.group_size
+        flags = dict(OUT_BF16=dtype == torch.bfloat16, OUT_FP16=dtype == torch.float16)
 
-        def run(group0, num_groups, groups, partial, warps, tile, grid):
+        def run(grid, ints, cx):
             _unpack_dequantize_kernel[grid](
-                packed,
-                meta32,
-                out_k,
-                layout.rows * layout.cols,
-                layout.rows,
-                layout.cols,
-                num_groups,
-                group0,
-                layout.groups_per_row,
-                layout.rows_per_group,
-                layout.row_width,
-                BITS=bits,
-                G=g,
-                GROUPS=groups,
-                H=tile[0],
-                T=tile[1],
-                V=tile[2],
-                DENSE=dense,
-                PARTIAL=partial,
-                SPLIT=layout.rows_per_group == 1,
-                OUT_BF16=dtype == torch.bfloat16,
-                OUT_FP16=dtype == torch.float16,
-                num_warps=warps,
-                enable_fp_fusion=False,  # belt and braces: the one product here is exact
-            )
+                packed, meta32, out_k, *ints, **flags, **cx,
+                enable_fp_fusion=False,  # the only fused operation is the explicit tl.fma
+            )  # fmt: skip
 
+        dense = _is_dense(layout)
         _launch("dequantize", bits, layout, out.element_size(), packed.device, dense, run)
     return out
 

@@ -147,14 +147,36 @@ def test_public_api_dispatches_to_triton():
 @needs_kernels
 @pytest.mark.parametrize("cfg", list(kq.CONFIGS))
 def test_every_tuned_configuration_gives_the_same_bits(cfg, monkeypatch):
-    """The autotuner may pick any of `CONFIGS` (programs, warps, threads per group): the
-    results never depend on it. Dense rows, a dense layout whose last group ends early (its
-    own launch), padded groups, and bf16 input."""
-    monkeypatch.setattr(kq, "CONFIGS", (cfg,))
+    """The autotuner may pick any of `CONFIGS` (programs, warps, threads per group, run
+    length): the results never depend on it. Dense rows, a dense layout whose last group ends
+    early (its own launch), padded groups, and bf16 input."""
+    monkeypatch.setattr(kq, "_TUNED", {})
     torch.manual_seed(5)
-    assert_matches_reference(with_specials(torch.randn(40, 256)).to(DEVICE), 2)
-    assert_matches_reference(torch.randn(75, 64).to(DEVICE), 1)  # k = 4, last group 3 rows
-    assert_matches_reference(torch.randn(9, 300).to(DEVICE, torch.bfloat16), 4)
+    with kq.forced_config(cfg):
+        assert_matches_reference(with_specials(torch.randn(40, 256)).to(DEVICE), 2)
+        assert_matches_reference(torch.randn(75, 64).to(DEVICE), 1)  # k = 4, last group 3 rows
+        assert_matches_reference(torch.randn(9, 300).to(DEVICE, torch.bfloat16), 4)
+        assert_matches_reference(torch.randn(16, 512).to(DEVICE, torch.float16), 8)
+    assert not kq._TUNED  # a forced configuration never tunes
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED or not HAS_CUDA, reason="needs CUDA")
+def test_cuda_tuner_times_every_configuration_per_dtype(monkeypatch):
+    """One large tensor tunes its key (direction, bits, g, element size, dense) once: every
+    configuration timed, the fastest chosen; bf16 of the same width tunes separately."""
+    monkeypatch.setattr(kq, "_TUNED", {})
+    monkeypatch.setattr(kq, "_TIMINGS", {})
+    monkeypatch.setenv("GACT_GRAPH_AUTOTUNE", "1")
+    x = torch.randn(kq.TUNE_MIN_ELEMS // 256, 256, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        packed, meta = kq.triton_quantize(x.to(dtype), 2, 256, 1)
+        kq.triton_dequantize(packed, meta, 2, x.shape, dtype, 256)
+    log = kq.tuning_log()
+    for es in (4, 2):
+        for kind in ("quantize", "dequantize"):
+            chosen, times = log[(kind, 2, 256, es, True)]
+            assert set(times) == set(kq.CONFIGS) and all(t > 0 for t in times.values())
+            assert times[chosen] == min(times.values())
 
 
 @needs_kernels
@@ -174,9 +196,13 @@ def test_tile_shapes_cover_a_group():
         for bits in SUPPORTED_BITS:
             for es in (2, 4, 8):
                 for threads in (1, 4, 8, 32):
-                    h, t, v = kq.tile_shape(g, bits, es, threads)
-                    assert h * t * v == triton.next_power_of_2(g)
-                    assert v % (8 // bits) == 0 and t <= threads
+                    for run in (1, 4, 8, 16):
+                        h, t, v = kq.tile_shape(g, bits, es, threads, run)
+                        assert h * t * v == triton.next_power_of_2(g)
+                        assert v % (8 // bits) == 0 and t <= threads
+                        assert v >= min(run, triton.next_power_of_2(g)) and v * es >= min(
+                            16, triton.next_power_of_2(g) * es
+                        )
 
 
 if HAS_TRITON:
