@@ -108,6 +108,54 @@ if triton is not None:
         u = tl.rand(seed, k * H + h)
         return tl.where(u >= p, drop_scale, 0.0)
 
+    @triton.jit
+    def _program(seed_ptr, C, DROPOUT: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_C: tl.constexpr):  # fmt: skip
+        """What every program starts from: its head (the grid's second axis), the offsets of
+        an edge block and of the channels, the channel mask, and the dropout seed (read once;
+        unused without dropout)."""
+        offs_c = tl.arange(0, BLOCK_C)
+        seed = tl.zeros((), tl.int64)
+        if DROPOUT:
+            seed = tl.load(seed_ptr)
+        return tl.program_id(1), tl.arange(0, BLOCK_E), offs_c, offs_c < C, seed
+
+    @triton.jit
+    def _row(rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS: tl.constexpr):
+        """Row ``r`` of program ``pid``'s block of ``ROWS`` rows (int64), whether it exists,
+        the channel mask of its stores and its edge range ``[start, end)``."""
+        row = pid.to(tl.int64) * ROWS + r
+        live = row < num_rows
+        # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
+        row_c = cmask & ((offs_c * 0 + row) < num_rows)
+        start = tl.load(rowptr_ptr + row, mask=live, other=0)
+        end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+        return row, live, row_c, start, end
+
+    @triton.jit
+    def _gather(ptr, nodes, h, HC, C, offs_c, emask, cmask):
+        """Rows ``nodes`` (one per edge of a block) of an N x H x C tensor at head ``h``, as an
+        fp32 edges x channels tile, zero where an edge or channel is masked off."""
+        return tl.load(
+            ptr + nodes[:, None] * HC + h * C + offs_c[None, :],
+            mask=emask[:, None] & cmask[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+
+    @triton.jit
+    def _load_row(ptr, row, h, HC, C, offs_c, mask):
+        """Row ``row`` of an N x H x C tensor at head ``h``, in fp32 (zero where masked)."""
+        return tl.load(ptr + row * HC + h * C + offs_c, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _transposed_multiplier(seed, t_pos_ptr, j, emask, h, H, p, drop_scale,
+                               HAS_POS: tl.constexpr):  # fmt: skip
+        """The dropout multiplier of the transpose's edges ``j``: drawn at their CSR positions
+        (``t_pos``, or ``j`` itself where the two orders agree)."""
+        k = j
+        if HAS_POS:
+            k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
+        return _dropout_multiplier(seed, k, h, H, p, drop_scale)
+
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gat_edge_fwd_kernel(
         x_ptr, a_src_ptr, a_dst_ptr, rowptr_ptr, col_ptr, seed_ptr,
@@ -117,21 +165,10 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
         HC = H * C
-        seed = 0
-        if DROPOUT:
-            seed = tl.load(seed_ptr)
         for r in range(ROWS):
-            row = pid.to(tl.int64) * ROWS + r
-            live = row < num_rows
-            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
-            row_c = cmask & ((offs_c * 0 + row) < num_rows)
-            start = tl.load(rowptr_ptr + row, mask=live, other=0)
-            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            row, live, row_c, start, end = _row(rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS)
             if HAS_DST:
                 ad = tl.load(a_dst_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
             else:
@@ -154,10 +191,7 @@ if triton is not None:
                 w = ex
                 if DROPOUT:
                     w = w * _dropout_multiplier(seed, k, h, H, p, drop_scale)
-                xv = tl.load(
-                    x_ptr + src[:, None] * HC + h * C + offs_c[None, :],
-                    mask=emask[:, None] & cmask[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                xv = _gather(x_ptr, src, h, HC, C, offs_c, emask, cmask)
                 acc = acc * rescale + tl.sum(w[:, None] * xv, 0)
                 m = m_new
             s = s + 1e-16
@@ -177,29 +211,17 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
         HC = H * C
-        seed = 0
-        if DROPOUT:
-            seed = tl.load(seed_ptr)
         for r in range(ROWS):
-            row = pid.to(tl.int64) * ROWS + r
-            live = row < num_rows
-            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
-            row_c = cmask & ((offs_c * 0 + row) < num_rows)
-            start = tl.load(rowptr_ptr + row, mask=live, other=0)
-            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
+            row, live, row_c, start, end = _row(rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS)
             if HAS_DST:
                 ad = tl.load(a_dst_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
             else:
                 ad = 0.0
             m = tl.load(m_ptr + row * H + h, mask=live, other=0.0)
             s = tl.load(s_ptr + row * H + h, mask=live, other=1.0)
-            go = tl.load(go_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
-            go = go.to(tl.float32)
+            go = _load_row(go_ptr, row, h, HC, C, offs_c, row_c)
             sum_ag = tl.zeros((), tl.float32)
             sum_ag_slope = tl.zeros((), tl.float32)
             sum_a_slope = tl.zeros((), tl.float32)
@@ -212,10 +234,7 @@ if triton is not None:
                 dslope = tl.where(pre > 0, 1.0, slope)
                 alpha = tl.exp(pre * dslope - m) / s
                 alpha = tl.where(emask, alpha, 0.0)
-                xv = tl.load(
-                    x_ptr + src[:, None] * HC + h * C + offs_c[None, :],
-                    mask=emask[:, None] & cmask[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                xv = _gather(x_ptr, src, h, HC, C, offs_c, emask, cmask)
                 g = tl.sum(xv * go[None, :], 1)
                 if DROPOUT:
                     g = g * _dropout_multiplier(seed, k, h, H, p, drop_scale)
@@ -241,24 +260,15 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
         HC = H * C
-        seed = 0
-        if DROPOUT:
-            seed = tl.load(seed_ptr)
         for r in range(ROWS):
-            row = pid.to(tl.int64) * ROWS + r  # a source node
-            live = row < num_rows
-            # (a scalar-and-block `&` fails in Triton's interpreter: broadcast the row first)
-            row_c = cmask & ((offs_c * 0 + row) < num_rows)
-            start = tl.load(t_rowptr_ptr + row, mask=live, other=0)
-            end = tl.load(t_rowptr_ptr + row + 1, mask=live, other=0)
+            # a source node and its outgoing edges
+            row, live, row_c, start, end = _row(
+                t_rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS
+            )
             a_s = tl.load(a_src_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
-            xs = tl.load(x_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
-            xs = xs.to(tl.float32)
+            xs = _load_row(x_ptr, row, h, HC, C, offs_c, row_c)
             gx = tl.zeros((BLOCK_C,), tl.float32)
             ga = tl.zeros((), tl.float32)
             for j0 in range(start, end, BLOCK_E):
@@ -275,17 +285,12 @@ if triton is not None:
                 s = tl.load(s_ptr + dst * H + h, mask=emask, other=1.0)
                 alpha = tl.exp(pre * dslope - m) / s
                 alpha = tl.where(emask, alpha, 0.0)
-                go = tl.load(
-                    go_ptr + dst[:, None] * HC + h * C + offs_c[None, :],
-                    mask=emask[:, None] & cmask[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                go = _gather(go_ptr, dst, h, HC, C, offs_c, emask, cmask)
                 beta = alpha
                 if DROPOUT:
-                    if HAS_POS:
-                        k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
-                    else:
-                        k = j
-                    beta = alpha * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                    beta = alpha * _transposed_multiplier(
+                        seed, t_pos_ptr, j, emask, h, H, p, drop_scale, HAS_POS
+                    )
                 if NEED_X:
                     gx += tl.sum(beta[:, None] * go, 0)
                 if NEED_SRC:
@@ -310,8 +315,6 @@ if triton is not None:
         mult = _dropout_multiplier(seed, k, h, H, p, drop_scale)
         tl.store(keep_ptr + k * H + h, (mult != 0).to(tl.int8), mask=k < num_edges)
 
-
-
     # ------------------------------------------------------------------------ GATv2
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gatv2_edge_fwd_kernel(
@@ -322,23 +325,14 @@ if triton is not None:
         BLOCK_C: tl.constexpr, STATS_ONLY: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(
+            seed_ptr, C, DROPOUT and not STATS_ONLY, BLOCK_E, BLOCK_C
+        )
         HC = H * C
-        seed = 0
-        if DROPOUT and not STATS_ONLY:
-            seed = tl.load(seed_ptr)
         att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
         for r in range(ROWS):
-            row = pid.to(tl.int64) * ROWS + r
-            live = row < num_rows
-            row_c = cmask & ((offs_c * 0 + row) < num_rows)
-            start = tl.load(rowptr_ptr + row, mask=live, other=0)
-            end = tl.load(rowptr_ptr + row + 1, mask=live, other=0)
-            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
-            xr = xr.to(tl.float32)
+            row, live, row_c, start, end = _row(rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS)
+            xr = _load_row(xr_ptr, row, h, HC, C, offs_c, row_c)
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             acc = tl.zeros((BLOCK_C,), tl.float32)
@@ -346,10 +340,7 @@ if triton is not None:
                 k = e0 + offs_e
                 emask = k < end
                 src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
-                xl = tl.load(
-                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
-                    mask=emask[:, None] & cmask[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                xl = _gather(xl_ptr, src, h, HC, C, offs_c, emask, cmask)
                 z = xl + xr[None, :]
                 z = tl.where(z > 0, z, z * slope)
                 logit = tl.sum(z * att[None, :], 1)
@@ -384,14 +375,8 @@ if triton is not None:
         # A fixed number of programs per head, each walking rows pid, pid + P, ...: the
         # attention vector's gradient is summed per program (P x H x C partials), no atomics.
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
         HC = H * C
-        seed = 0
-        if DROPOUT:
-            seed = tl.load(seed_ptr)
         att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
         gatt = tl.zeros((BLOCK_C,), tl.float32)
         for row in range(pid.to(tl.int64), num_rows, num_programs):
@@ -399,10 +384,8 @@ if triton is not None:
             end = tl.load(rowptr_ptr + row + 1)
             m = tl.load(m_ptr + row * H + h)
             s = tl.load(s_ptr + row * H + h)
-            go = tl.load(go_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
-            go = go.to(tl.float32)
-            xr = tl.load(xr_ptr + row * HC + h * C + offs_c, mask=cmask, other=0.0)
-            xr = xr.to(tl.float32)
+            go = _load_row(go_ptr, row, h, HC, C, offs_c, cmask)
+            xr = _load_row(xr_ptr, row, h, HC, C, offs_c, cmask)
             sum_ag = tl.zeros((), tl.float32)
             v1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu(z)
             v2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu(z)
@@ -412,10 +395,7 @@ if triton is not None:
                 k = e0 + offs_e
                 emask = k < end
                 src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
-                xl = tl.load(
-                    xl_ptr + src[:, None] * HC + h * C + offs_c[None, :],
-                    mask=emask[:, None] & cmask[None, :], other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                xl = _gather(xl_ptr, src, h, HC, C, offs_c, emask, cmask)
                 z = xl + xr[None, :]
                 dz = tl.where(z > 0, 1.0, slope)
                 lz = z * dz
@@ -454,35 +434,22 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_c = tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
         HC = H * C
-        seed = 0
-        if DROPOUT:
-            seed = tl.load(seed_ptr)
         att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
         for r in range(ROWS):
-            row = pid.to(tl.int64) * ROWS + r  # a source node
-            live = row < num_rows
-            row_c = cmask & ((offs_c * 0 + row) < num_rows)
-            start = tl.load(t_rowptr_ptr + row, mask=live, other=0)
-            end = tl.load(t_rowptr_ptr + row + 1, mask=live, other=0)
-            xs = tl.load(xl_ptr + row * HC + h * C + offs_c, mask=row_c, other=0.0)
-            xs = xs.to(tl.float32)
+            # a source node and its outgoing edges
+            row, live, row_c, start, end = _row(
+                t_rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS
+            )
+            xs = _load_row(xl_ptr, row, h, HC, C, offs_c, row_c)
             gx = tl.zeros((BLOCK_C,), tl.float32)
             for j0 in range(start, end, BLOCK_E):
                 j = j0 + offs_e
                 emask = j < end
                 dst = tl.load(t_col_ptr + j, mask=emask, other=0).to(tl.int64)
-                tile = emask[:, None] & cmask[None, :]
-                xr = tl.load(
-                    xr_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
-                ).to(tl.float32)
-                go = tl.load(
-                    go_ptr + dst[:, None] * HC + h * C + offs_c[None, :], mask=tile, other=0.0
-                ).to(tl.float32)
+                xr = _gather(xr_ptr, dst, h, HC, C, offs_c, emask, cmask)
+                go = _gather(go_ptr, dst, h, HC, C, offs_c, emask, cmask)
                 z = xs[None, :] + xr
                 dz = tl.where(z > 0, 1.0, slope)
                 logit = tl.sum(z * dz * att[None, :], 1)
@@ -493,11 +460,9 @@ if triton is not None:
                 alpha = tl.where(emask, alpha, 0.0)
                 beta = alpha
                 if DROPOUT:
-                    if HAS_POS:
-                        k = tl.load(t_pos_ptr + j, mask=emask, other=0).to(tl.int64)
-                    else:
-                        k = j
-                    beta = alpha * _dropout_multiplier(seed, k, h, H, p, drop_scale)
+                    beta = alpha * _transposed_multiplier(
+                        seed, t_pos_ptr, j, emask, h, H, p, drop_scale, HAS_POS
+                    )
                 g = tl.sum(go * xs[None, :], 1)
                 dl = beta * g - alpha * dd  # alpha * (r <dO, x_l> - D)
                 gx += tl.sum(beta[:, None] * go + dl[:, None] * dz * att[None, :], 0)
@@ -602,6 +567,14 @@ def _check(x: Tensor, a_src: Tensor, a_dst: Tensor | None, rowptr: Tensor, col: 
         raise ValueError(f"col must be int32 or int64, got {col.dtype}")
 
 
+def _check_transpose(t_rowptr: Tensor, t_col: Tensor, t_pos: Tensor | None, col: Tensor,
+                     num_src: int) -> None:  # fmt: skip
+    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
+        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
+    if t_pos is not None and t_pos.shape != col.shape:
+        raise ValueError("t_pos must hold one CSR position per edge")
+
+
 # ---------------------------------------------------------------------------- launchers
 def gat_edge_forward(
     x: Tensor,
@@ -676,10 +649,7 @@ def gat_edge_backward(
     need_dst = need_dst and a_dst is not None
     num_dst, num_src = rowptr.numel() - 1, x.shape[0]
     _, heads, channels = x.shape
-    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
-        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
-    if t_pos is not None and t_pos.shape != col.shape:
-        raise ValueError("t_pos must hold one CSR position per edge")
+    _check_transpose(t_rowptr, t_col, t_pos, col, num_src)
     x, a_src, grad_out = x.contiguous(), a_src.contiguous(), grad_out.contiguous()
     a_dst = a_dst.contiguous() if a_dst is not None else None
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x.device)
@@ -833,8 +803,7 @@ def gatv2_edge_backward(
     need_l, need_r, need_att = needs
     num_dst, num_src = rowptr.numel() - 1, x_l.shape[0]
     _, heads, channels = x_l.shape
-    if t_rowptr.numel() != num_src + 1 or t_col.shape != col.shape:
-        raise ValueError("the transpose must have N_src + 1 row pointers and E columns")
+    _check_transpose(t_rowptr, t_col, t_pos, col, num_src)
     x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
     grad_out = grad_out.contiguous()
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
@@ -906,19 +875,24 @@ def draw_seed(device: torch.device | str) -> Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
+def _destinations(rowptr: Tensor, col: Tensor) -> Tensor:
+    """The destination row of every CSR edge (int64, E)."""
+    num_dst = rowptr.numel() - 1
+    return torch.repeat_interleave(
+        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
+        output_size=col.numel(),
+    )  # fmt: skip
+
+
 def csr_transpose(rowptr: Tensor, col: Tensor, num_src: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(t_rowptr, t_col, t_pos)`` of a destination-sorted CSR: the source-sorted transpose
     (``t_col`` the destination of each edge, in ``col``'s dtype) and each of its edges'
     position in the CSR (stable: a source's edges in CSR order)."""
-    num_dst = rowptr.numel() - 1
     t_pos = torch.argsort(col, stable=True)
     counts = torch.bincount(col.long(), minlength=num_src)
     t_rowptr = torch.zeros(num_src + 1, dtype=torch.int64, device=col.device)
     torch.cumsum(counts, 0, out=t_rowptr[1:])
-    dst = torch.repeat_interleave(
-        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
-        output_size=col.numel(),
-    )  # fmt: skip
+    dst = _destinations(rowptr, col)
     t_col = dst[t_pos].to(col.dtype)
     pos_dtype = torch.int32 if col.numel() <= 2**31 - 1 else torch.int64
     return t_rowptr, t_col, t_pos.to(pos_dtype)
@@ -941,10 +915,7 @@ def gat_edge_reference(
     logits'."""
     num_dst = rowptr.numel() - 1
     out_dtype = torch.promote_types(x.dtype, a_src.dtype)
-    dst = torch.repeat_interleave(
-        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
-        output_size=col.numel(),
-    )  # fmt: skip
+    dst = _destinations(rowptr, col)
     src = col.long()
     pre = a_src.float()[src]
     if a_dst is not None:
@@ -994,10 +965,7 @@ def gatv2_edge_reference(
     ``logit = <att, leaky_relu(x_l[src] + x_r[dst])>``, then as `gat_edge_reference`."""
     num_dst = rowptr.numel() - 1
     out_dtype = torch.promote_types(x_l.dtype, att.dtype)
-    dst = torch.repeat_interleave(
-        torch.arange(num_dst, device=col.device), rowptr[1:] - rowptr[:-1],
-        output_size=col.numel(),
-    )  # fmt: skip
+    dst = _destinations(rowptr, col)
     src = col.long()
     z = torch.nn.functional.leaky_relu(x_l.float()[src] + x_r.float()[dst], negative_slope)
     logit = (z * att.float().reshape(1, *x_l.shape[1:])).sum(-1)

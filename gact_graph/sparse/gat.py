@@ -40,13 +40,13 @@ saved (1 bit per element once the controller packs it).
 from the projected features ``x' = W h``. Here that would multiply two uses of the one
 quantized ``x'`` in the gradient of ``att_src`` (``sum_i grad_a_src[i] * x'_i``, where
 ``grad_a_src`` itself is linear in the quantized ``x'`` through the aggregation): its
-expectation gains the rounding variance of ``x'`` and the gradient is biased (measured at 2
-bits: the error of the mean over seeds 7-12 times its standard error, R = 50-150 in the
-statistic of tests/benchmarks/test_scale_deep.py). The patcher computes the same logits as
-``h @ (W^T att)``: ``h`` is the projection's own saved input, rounded independently of ``x'``
-(or exact), so every gradient is a product of independent unbiased factors. Same values up to
-float rounding, no extra saved tensor but the H x F_in matrix ``W^T att``. A `GATConv` whose
-projection is not a bias-free ``Linear`` (replaced by the user) takes PyG's path.
+expectation gains the rounding variance of ``x'`` and the gradient is biased (the statistic
+of tests/benchmarks/test_scale_deep.py; figures in docs/design.md). The patcher computes the
+same logits as ``h @ (W^T att)``: ``h`` is the projection's own saved input, rounded
+independently of ``x'`` (or exact), so every gradient is a product of independent unbiased
+factors. Same values up to float rounding, no extra saved tensor but the H x F_in matrix
+``W^T att``. A `GATConv` whose projection is not a bias-free ``Linear`` (replaced by the
+user) takes PyG's path.
 
 GAT's backward is linear in the saved ``x'`` (the softmax comes from the lossless logits), so
 with stochastic rounding its gradient stays unbiased. GATv2 (``a(W x_i + W x_j)``) has no
@@ -137,8 +137,8 @@ def edge_chunk_size(
     """Edges per chunk so that the chunk temporaries alive at once (at most
     `_LIVE_CHUNK_TENSORS` tensors of chunk x heads x channels) total at most ``chunk_bytes``,
     and, given ``num_nodes``, at most a quarter of one N x H x C tensor (but not below
-    `_MIN_CHUNK_BYTES`): on a small graph 64 MiB of chunks was several times the layer's own
-    features, the largest transient of its backward."""
+    `_MIN_CHUNK_BYTES`): on a small graph a fixed 64 MiB of chunks would be several times the
+    layer's own features, the largest transient of its backward."""
     item = torch.finfo(_acc_dtype(dtype)).bits // 8
     per_edge = _LIVE_CHUNK_TENSORS * heads * channels * item
     budget = int(chunk_bytes)
@@ -310,6 +310,16 @@ class _EdgeChunks:
         return marks.cumsum_(0).add_(r0)
 
 
+def _chunks(x: Tensor, rowptr: Tensor, col: Tensor, chunk_bytes: int) -> tuple[int, _EdgeChunks]:
+    """``(chunk, wide)`` of an edge stage over features ``x`` (N x H x C): ``chunk`` edges per
+    chunk x H x C gather (`edge_chunk_size`) and the wide chunks, C times longer, on which
+    the edge-level (chunk x H) work runs and which the gathers slice: few small kernels per
+    gather chunk."""
+    heads, channels = x.shape[1:]
+    chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, chunk_bytes, x.shape[0])
+    return chunk, _EdgeChunks(rowptr, col, chunk * channels)
+
+
 def _segment_stats(scores, chunks: _EdgeChunks, num_dst: int, heads: int, acc, device):
     """Per destination and head, the max of the edge scores and the sum of their shifted
     exponentials (PyG's `softmax`: max shift, +1e-16), edge chunk by edge chunk: no E x H
@@ -428,26 +438,20 @@ class GatAttentionFunction(torch.autograd.Function):
     Every edge-level quantity is made one edge chunk at a time from node-level ones (the
     softmax's per-destination max and sum, then each chunk's coefficients), so the only
     E x H tensors are the dropout's keep-mask (bool) and, in backward, the coefficients'
-    gradient (between the two passes the softmax's backward needs). A GAT at ogbn-products'
-    size (126 M edges with self-loops, 3 heads) held about eight E x H fp32 tensors (1.4 GiB
-    each) and an E-long int64 at once in backward and did not fit a 16 GiB GPU at any width.
+    gradient (between the two passes the softmax's backward needs): at ogbn-products' size
+    every E x H fp32 tensor is over a GiB (docs/design.md).
     """
 
     @staticmethod
     def forward(ctx, x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
         _check_common(x_src, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads, channels = x_src.shape[1:]
+        heads = x_src.shape[1]
         # PyG's alpha and message alpha * x_j promote (bf16 features, fp32 logits: fp32).
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
         slope = float(negative_slope)
-        chunk = edge_chunk_size(
-            num_edges, heads, channels, x_src.dtype, chunk_bytes, x_src.shape[0]
-        )
-        # Edge-level (chunk x H) work runs on wide chunks, C times longer than the chunks of
-        # the chunk x H x C gathers, which slice them: few small kernels per gather chunk.
-        wide = _EdgeChunks(rowptr, col, chunk * channels)
+        chunk, wide = _chunks(x_src, rowptr, col, chunk_bytes)
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_src.device, perm)
         out = _aggregate(
@@ -470,14 +474,11 @@ class GatAttentionFunction(torch.autograd.Function):
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         need_logits = need_src or need_dst
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads, channels = x_src.shape[1:]
+        heads = x_src.shape[1]
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
         slope, p = ctx.negative_slope, ctx.dropout
-        chunk = edge_chunk_size(
-            num_edges, heads, channels, x_src.dtype, ctx.chunk_bytes, x_src.shape[0]
-        )
-        wide = _EdgeChunks(rowptr, col, chunk * channels)  # as in forward
+        chunk, wide = _chunks(x_src, rowptr, col, ctx.chunk_bytes)  # as in forward
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_src.device, perm, state)
         x_dtype = x_src.dtype
@@ -661,11 +662,7 @@ def gat_attention_fused(
 ) -> Tensor:
     """`GatFusedFunction.apply` with keyword defaults; ``transpose`` = ``(t_rowptr, t_col,
     t_pos)`` (made here, per call, when None: callers with a cached adjacency pass its own)."""
-    if transpose is None:
-        from gact_graph.kernels import gat_edge
-
-        transpose = gat_edge.csr_transpose(rowptr, col, x_src.shape[0])
-    t_rowptr, t_col, t_pos = transpose
+    t_rowptr, t_col, t_pos = _transpose(transpose, rowptr, col, x_src.shape[0])
     return GatFusedFunction.apply(
         x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
         keep_lossless,
@@ -732,15 +729,20 @@ def gatv2_attention_fused(
 ) -> Tensor:
     """`GatV2FusedFunction.apply` with keyword defaults (``transpose`` as in
     `gat_attention_fused`)."""
-    if transpose is None:
-        from gact_graph.kernels import gat_edge
-
-        transpose = gat_edge.csr_transpose(rowptr, col, x_l.shape[0])
-    t_rowptr, t_col, t_pos = transpose
+    t_rowptr, t_col, t_pos = _transpose(transpose, rowptr, col, x_l.shape[0])
     return GatV2FusedFunction.apply(
         x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
         recompute_stats,
     )  # fmt: skip
+
+
+def _transpose(transpose, rowptr: Tensor, col: Tensor, num_src: int):
+    """``transpose`` (``(t_rowptr, t_col, t_pos)``), or the CSR's made now when it is None."""
+    if transpose is not None:
+        return transpose
+    from gact_graph.kernels import gat_edge
+
+    return gat_edge.csr_transpose(rowptr, col, num_src)
 
 
 def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -789,22 +791,18 @@ class GatV2AttentionFunction(torch.autograd.Function):
     whole (E x H); the softmax's per-destination max and sum, the coefficients and (in
     backward) the logits' gradient are made a chunk at a time as in `GatAttentionFunction`.
     What it holds at once: the logits, the dropout's bool keep-mask and, in backward, one more
-    E x H tensor (the coefficients' gradient, then the logits' in its place); about eight fp32
-    E x H tensors and an E-long int64 before.
+    E x H tensor (the coefficients' gradient, then the logits' in its place).
     """
 
     @staticmethod
     def forward(ctx, x_l, x_r, att, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
         _check_common(x_l, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads, channels = x_l.shape[1:]
+        heads = x_l.shape[1]
         acc = _acc_dtype(x_l.dtype)
-        chunk = edge_chunk_size(num_edges, heads, channels, x_l.dtype, chunk_bytes, x_l.shape[0])
-        wide = _EdgeChunks(rowptr, col, chunk * channels)  # see GatAttentionFunction
+        chunk, wide = _chunks(x_l, rowptr, col, chunk_bytes)
         logit = _gatv2_logits(x_l, x_r, att, wide, negative_slope, chunk)
-        m, total = _segment_stats(
-            _kept(logit), wide, num_dst, heads, acc, x_l.device
-        )
+        m, total = _segment_stats(_kept(logit), wide, num_dst, heads, acc, x_l.device)
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
         out = _aggregate(
@@ -827,14 +825,9 @@ class GatV2AttentionFunction(torch.autograd.Function):
         heads, channels = x_l.shape[1:]
         acc = _acc_dtype(x_l.dtype)
         slope, p = ctx.negative_slope, ctx.dropout
-        chunk = edge_chunk_size(
-            num_edges, heads, channels, x_l.dtype, ctx.chunk_bytes, x_l.shape[0]
-        )
-        wide = _EdgeChunks(rowptr, col, chunk * channels)
+        chunk, wide = _chunks(x_l, rowptr, col, ctx.chunk_bytes)
         logit = _gatv2_logits(x_l, x_r, att, wide, slope, chunk)
-        m, total = _segment_stats(
-            _kept(logit), wide, num_dst, heads, acc, x_l.device
-        )
+        m, total = _segment_stats(_kept(logit), wide, num_dst, heads, acc, x_l.device)
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_l.device, perm, state)
 
@@ -983,12 +976,17 @@ def _foldable(lin) -> bool:
     return type(lin) in (PygLinear, torch.nn.Linear) and lin.bias is None
 
 
-def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights) -> str | None:
+def _attention_reason(module, edge_index, edge_attr, return_attention_weights) -> str | None:
+    """Why a `GATConv` / `GATv2Conv` call must take PyG's path, as far as the two share it."""
     if return_attention_weights:
         return "return_attention_weights"
     if edge_attr is not None and module.lin_edge is not None:
         return "edge_attr"
-    reason = _message_passing_reason(module, edge_index)
+    return _message_passing_reason(module, edge_index)
+
+
+def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights) -> str | None:
+    reason = _attention_reason(module, edge_index, edge_attr, return_attention_weights)
     if reason is not None:
         return reason
     num_nodes, reason = _square_nodes(x)
@@ -1012,10 +1010,8 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     """``<lin(h)_i, att>`` per head (N x H, in ``dtype``) for each ``(lin, att)`` of ``pairs``,
     computed as ``h @ (W^T att)``: from the projection's input, never from its (quantized)
     output; see the module docstring. One matmul for all of them: backward then reads ``h``
-    (dequantized, N x F_in) once and forms one N x F_in gradient, where a matmul per pair
-    dequantized it once each and summed their gradients (GAT's source and destination logits:
-    per layer one dequantization, matmul and N x F_in addition more; the backward's peak,
-    which other tensors set, is the same either way)."""
+    (dequantized, N x F_in) once and forms one N x F_in gradient, rather than one
+    dequantization, matmul and gradient per pair, summed."""
     blocks = []
     for lin, _ in pairs:
         if is_lazy(lin.weight):  # stock's call of this projection would initialize it
@@ -1094,19 +1090,15 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
             chunk_bytes=_chunk_bytes(ctl),
         )  # fmt: skip
     # The projection is saved (compressed) by now: its fp32 copy goes before the sums below.
-    # (Making the residual's projection only now, too, as stock does not, holds one tensor
-    # less in forward, but it runs before the edge stage in backward, and on an H200 the
-    # default mode's probed GAT steps then peaked 0.4 N x H x C higher.)
+    # The residual's projection stays before the edge stage, as in stock: made after it, it
+    # would hold one tensor less in forward but run first in backward, where the default
+    # mode's probed steps then peak higher (docs/design.md).
     del x_src, a_src, a_dst
     return _finish(module, out, res)
 
 
 def _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights) -> str | None:
-    if return_attention_weights:
-        return "return_attention_weights"
-    if edge_attr is not None and module.lin_edge is not None:
-        return "edge_attr"
-    reason = _message_passing_reason(module, edge_index)
+    reason = _attention_reason(module, edge_index, edge_attr, return_attention_weights)
     if reason is not None:
         return reason
     _, reason = _square_nodes(x)
@@ -1156,12 +1148,9 @@ def patch_gat_conv(ctl, path: str, module) -> None:
     original = module.forward
 
     def forward(x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
-        reason = _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights)
-        if reason is not None:
-            ctl.module_paths[path] = f"generic ({reason})"
-            return original(x, edge_index, edge_attr, size, return_attention_weights)
-        ctl.module_paths[path] = "sparse-fused"
-        return _gat_fused_forward(ctl, module, x, edge_index)
+        args = (x, edge_index, edge_attr, size, return_attention_weights)
+        return _route(ctl, path, _gat_reason(module, *args), lambda: original(*args),
+                      lambda: _gat_fused_forward(ctl, module, x, edge_index))  # fmt: skip
 
     install_forward(ctl, path, module, forward)
 
@@ -1172,14 +1161,21 @@ def patch_gatv2_conv(ctl, path: str, module) -> None:
     original = module.forward
 
     def forward(x, edge_index, edge_attr=None, return_attention_weights=None):
-        reason = _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights)
-        if reason is not None:
-            ctl.module_paths[path] = f"generic ({reason})"
-            return original(x, edge_index, edge_attr, return_attention_weights)
-        ctl.module_paths[path] = "sparse-fused"
-        return _gatv2_fused_forward(ctl, module, x, edge_index)
+        args = (x, edge_index, edge_attr, return_attention_weights)
+        return _route(ctl, path, _gatv2_reason(module, *args), lambda: original(*args),
+                      lambda: _gatv2_fused_forward(ctl, module, x, edge_index))  # fmt: skip
 
     install_forward(ctl, path, module, forward)
+
+
+def _route(ctl, path: str, reason: str | None, stock, fused):
+    """Run ``fused()`` (and record ``"sparse-fused"`` as the path of ``path``), or, given a
+    ``reason``, ``stock()`` (recorded as generic, with the reason)."""
+    if reason is not None:
+        ctl.module_paths[path] = f"generic ({reason})"
+        return stock()
+    ctl.module_paths[path] = "sparse-fused"
+    return fused()
 
 
 def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, stock_draw: bool):

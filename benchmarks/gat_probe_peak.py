@@ -1,0 +1,197 @@
+"""Per-step peak of a GAT / GATv2 under fixed 2-bit and the default (adaptive) mode, split
+into where it lies: the user's own forward and backward, or the sensitivity probe's work
+(its replays of an autograd node, `SensitivityProbe._probe`, and the partial backwards that
+carry their noise to the parameters, `SensitivityProbe._propagate`); and which edge stage each
+attention layer ran (the fused Triton Function or the chunked one).
+
+A re-planning step of the default mode probes every compressed tensor; the default mode's
+worst step is such a step when the probe's work peaks above the user's backward. The figures
+are in units of one N x H x C fp32 tensor of a hidden layer (the size of one projected
+feature tensor), so CPU and GPU runs at different sizes compare.
+
+Memory: on CUDA ``torch.cuda.max_memory_allocated`` above the bytes allocated at the step's
+start; on CPU the live bytes of tensors created during the step
+(`gact_graph.budget.profile.PeakBytes`, the budget planner's meter; no allocator involved).
+
+Usage::
+
+    python benchmarks/gat_probe_peak.py --device cuda                  # arxiv size, both models
+    python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32
+    python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import build_model  # noqa: E402
+from gact_graph import compress_gnn  # noqa: E402
+from gact_graph.policy import sensitivity  # noqa: E402
+from gact_graph.sparse import gat as sgat  # noqa: E402
+
+
+class _Meter:
+    """Peak bytes above a step's start, overall and inside the probe's work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = None
+        self.start = 0
+        self.peak = 0
+        self.probe_peak = 0
+
+    def _now_peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.start
+        return self.cpu.peak - self.start
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.cpu._sweep()
+            self.cpu.peak = self.cpu.bytes
+
+    @contextlib.contextmanager
+    def step(self):
+        self.peak = self.probe_peak = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+        else:
+            from gact_graph.budget.profile import PeakBytes
+
+            with PeakBytes() as self.cpu:
+                self.start = self.cpu.start
+                yield
+        self.peak = max(self.peak, self._now_peak())
+
+    @contextlib.contextmanager
+    def probe_work(self):
+        """Count what runs inside as the probe's (the peaks before it are kept)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.peak = max(self.peak, self._now_peak())
+        self._reset()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            inside = self._now_peak()
+            self.probe_peak = max(self.probe_peak, inside)
+            self.peak = max(self.peak, inside)
+            self._reset()
+
+
+def _instrument(meter: _Meter, paths: dict[str, int]):
+    """Wrap the probe's replays and partial backwards in ``meter.probe_work`` and count the
+    edge-stage Functions' forwards in ``paths``; returns the undo."""
+    undo = []
+    for name in ("_probe", "_propagate"):
+        orig = getattr(sensitivity.SensitivityProbe, name)
+
+        def wrapped(self, *args, _orig=orig, **kwargs):
+            if meter.cpu is None and meter.device.type != "cuda":
+                return _orig(self, *args, **kwargs)
+            with meter.probe_work():
+                return _orig(self, *args, **kwargs)
+
+        setattr(sensitivity.SensitivityProbe, name, wrapped)
+        undo.append((sensitivity.SensitivityProbe, name, orig))
+    for cls in (sgat.GatFusedFunction, sgat.GatV2FusedFunction, sgat.GatAttentionFunction,
+                sgat.GatV2AttentionFunction):  # fmt: skip
+        orig = cls.forward
+
+        def forward(ctx, *args, _orig=orig, _name=cls.__name__):
+            paths[_name] = paths.get(_name, 0) + 1
+            return _orig(ctx, *args)
+
+        cls.forward = staticmethod(forward)
+        undo.append((cls, "forward", staticmethod(orig)))
+    return lambda: [setattr(obj, name, f) for obj, name, f in undo]
+
+
+def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    n, f = args.nodes, args.features
+    x = torch.randn(n, f, device=device)
+    ei = torch.randint(0, n, (2, args.degree * n), device=device)
+    y = torch.randint(0, 8, (n,), device=device)
+    model = build_model(model_name, f, 8, num_layers=args.layers, hidden_channels=args.hidden)
+    model = model.to(device)
+    ctl = compress_gnn(model, bits=2, adaptive=adaptive)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    unit = n * args.heads * args.hidden * 4
+    meter, paths = _Meter(device), {}
+    undo = _instrument(meter, paths)
+    steps = []
+    try:
+        for i in range(args.steps):
+            opt.zero_grad(set_to_none=True)
+            paths.clear()
+            with meter.step():
+                F.cross_entropy(model(x, ei), y).backward()
+            opt.step()
+            ctl.iterate()
+            steps.append({
+                "step": i,
+                "peak_units": round(meter.peak / unit, 2),
+                "probe_peak_units": round(meter.probe_peak / unit, 2),
+                "edge_stage": dict(paths),
+            })  # fmt: skip
+    finally:
+        undo()
+        ctl.remove()
+    return {"model": model_name, "mode": "default" if adaptive else "fixed 2-bit",
+            "unit_bytes": unit, "steps": steps}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default="gat,gatv2")
+    ap.add_argument("--nodes", type=int, default=169_343)
+    ap.add_argument("--degree", type=int, default=7, help="random edges per node")
+    ap.add_argument("--features", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=128, help="channels per head")
+    ap.add_argument("--heads", type=int, default=3, help="the preset's heads (for the unit)")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    results = []
+    for name in args.models.split(","):
+        for adaptive in (False, True):
+            res = run(name, adaptive, args, device)
+            results.append(res)
+            for s in res["steps"]:
+                print(f"{name:6s} {res['mode']:12s} step {s['step']}: peak {s['peak_units']:6.2f}"
+                      f"  probe's work {s['probe_peak_units']:6.2f}  (N x H x C units)"
+                      f"  {s['edge_stage']}", flush=True)  # fmt: skip
+        fixed, default = results[-2], results[-1]
+        worst = max(s["peak_units"] for s in default["steps"])
+        print(f"{name}: worst step, default / fixed 2-bit = "
+              f"{worst / max(s['peak_units'] for s in fixed['steps']):.2f}x")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "device":
+                                   str(device), "results": results}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
