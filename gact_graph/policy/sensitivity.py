@@ -492,10 +492,14 @@ class SensitivityProbe:
         self.hooked = False  # a forward with a graph was hooked
         self.ran = False  # its backward touched at least one node
         self.seconds = 0.0  # wall time spent inside the probe
-        self.grad_sq = 0.0  # squared norm of the parameter gradient of the probed backward
+        # squared norm of the parameter gradient of the probed backward, summed on the device
+        # (read once, by `grad_sq`)
+        self._grad_sq: Tensor | float = 0.0
         self.failed: dict[str, str] = {}
         self._acc: dict[str, dict[int, Tensor]] = {}
-        self._sq: dict[str, float] = {}
+        # name -> squared norm of its parameter-gradient noise, kept on the device (a 0-d fp64
+        # tensor, or a float for estimates made on the host) until `result` reads them all
+        self._sq: dict[str, Tensor | float] = {}
         self._bits: dict[str, int] = {}
         self._numel: dict[str, int] = {}
         self._override: dict[int, Tensor] = {}
@@ -514,6 +518,11 @@ class SensitivityProbe:
         self._pending: dict[int, list[_Seeds]] = {}
         self._open: dict[str, int] = {}  # name -> seeds of it still pending
         self._reads_done: dict[str, int] = {}  # name -> reads of it probed so far
+
+    @property
+    def grad_sq(self) -> float:
+        """Squared norm of the parameter gradient of the probed backward (0 before it)."""
+        return float(self._grad_sq)
 
     # ---------------------------------------------------------------- arming
     def arm(self) -> None:
@@ -634,7 +643,7 @@ class SensitivityProbe:
             return None
         g = grad_outputs[0]
         if g is not None:
-            self.grad_sq += float(g.detach().double().square().sum())
+            self._grad_sq = self._grad_sq + g.detach().double().square().sum()
         return None
 
     def _pre_hook(self, node):
@@ -769,7 +778,7 @@ class SensitivityProbe:
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if exact:
             g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float32).square_()
-            energy = alpha**2 * float((g_sq.double() * row_var.double()).sum())
+            energy = (g_sq.double() * row_var.double()).sum() * alpha**2
             self._sq[stored.name] = self._sq.get(stored.name, 0.0) + energy
         else:
             if math.prod(mat2) > math.prod(mat1):  # not small: the replay is no dearer
@@ -1022,7 +1031,10 @@ class SensitivityProbe:
         next_edges, next_grads = [], []
         for k, target in enumerate(ins):
             o, out[k] = out[k], None
-            if o is None or not o.is_floating_point() or not bool(o.any()):
+            # an all-zero gradient goes on as well: testing for one reads the whole tensor (and
+            # waits for the device) at every node, which costs more than the rare branch it
+            # would spare
+            if o is None or not o.is_floating_point():
                 continue
             var = getattr(target.node, "variable", None)
             if var is not None:
@@ -1053,9 +1065,7 @@ class SensitivityProbe:
             return
         if self._open.get(name, 0) == 0 and name in self._acc:
             acc = self._acc.pop(name)
-            self._sq[name] = self._sq.get(name, 0.0) + sum(
-                float(v.square().sum()) for v in acc.values()
-            )
+            self._sq[name] = self._sq.get(name, 0.0) + sum(v.square().sum() for v in acc.values())
 
     @staticmethod
     def _add(acc: dict[int, Tensor], p: Tensor, d: Tensor) -> None:
@@ -1068,8 +1078,8 @@ class SensitivityProbe:
         t0 = time.perf_counter()
         sq = dict(self._sq)
         for name, acc in self._acc.items():
-            sq[name] = sq.get(name, 0.0) + sum(float(v.square().sum()) for v in acc.values())
-        out = {name: v * (2.0 ** self._bits[name] - 1.0) ** 2 for name, v in sq.items()}
+            sq[name] = sq.get(name, 0.0) + sum(v.square().sum() for v in acc.values())
+        out = {name: float(v) * (2.0 ** self._bits[name] - 1.0) ** 2 for name, v in sq.items()}
         for name in self._bits:  # read, but its noise reached no parameter
             out.setdefault(name, 0.0)
         for name in self.failed:
