@@ -387,12 +387,12 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     for memory (issues 13, 14): the estimates are those of the dense one-pass backward."""
     from gact_graph import switches as lean
     from gact_graph.ops import batchnorm
-    from gact_graph.policy import sensitivity
+    from gact_graph.policy import probe_hooks, sensitivity
 
     ctl, step = _small_gat(2)
     state = torch.get_rng_state()
     made, lean_calls, scratch_calls, merged = [], [], [], []
-    real_chunked, real_is_lean = sensitivity.RowChunked, lean.is_lean
+    real_chunked, real_is_lean = probe_hooks.RowChunked, lean.is_lean
     real_scratch, real_merge = lean.is_scratch, sensitivity.SensitivityProbe._merge
 
     def chunked(q):
@@ -412,7 +412,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
         merged.append(sum(k in pending for k in keys) + len(keys) - len(set(keys)))
         real_merge(pending, edges, grads)
 
-    monkeypatch.setattr(sensitivity, "RowChunked", chunked)
+    monkeypatch.setattr(probe_hooks, "RowChunked", chunked)
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", is_lean)
     monkeypatch.setattr(batchnorm, "is_scratch", is_scratch)
     monkeypatch.setattr(sensitivity.SensitivityProbe, "_merge", staticmethod(merge))
@@ -425,7 +425,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     assert any(scratch_calls) and any(merged), (scratch_calls, merged)
     assert bn_chunks  # BatchNorm read its normalized input a row chunk at a time
 
-    monkeypatch.setattr(sensitivity, "RowChunked", lambda q: q.dequantize())
+    monkeypatch.setattr(probe_hooks, "RowChunked", lambda q: q.dequantize())
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", lambda: False)
     monkeypatch.setattr(batchnorm, "is_scratch", lambda t: False)
     monkeypatch.setattr(  # one plain partial backward per replay
