@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from gact_graph.core.quantize import QTensor, quantize
-from gact_graph.policy.probe_walk import Seeds, shares_storage
+from gact_graph.policy.probe_walk import Seeds, parameters_only, shares_storage
 from gact_graph.policy.rounding import (
     CHUNK_ELEMS,
     add_rounding_noise_,
@@ -52,33 +52,7 @@ def matmul_kind(node, param_ids: set[int]) -> tuple[int, bool] | None:
     var = getattr(_past_norm_preserving(fn), "variable", None)
     if var is not None and id(var) in param_ids:
         return k, True
-    return (k, False) if fn is not None and _parameters_only(fn, param_ids) else None
-
-
-def _parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
-    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
-    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
-    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
-    touches parameter-sized tensors only."""
-    seen: set[int] = set()
-    stack = [fn]
-    while stack:
-        f = stack.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        if len(seen) > limit:
-            return False
-        var = getattr(f, "variable", None)
-        if var is not None:
-            if id(var) not in param_ids:
-                return False
-            continue
-        for nxt, _ in f.next_functions:
-            if nxt is None:
-                return False
-            stack.append(nxt)
-    return True
+    return (k, False) if fn is not None and parameters_only(fn, param_ids) else None
 
 
 def _past_norm_preserving(fn):

@@ -17,13 +17,39 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["ProbeWalk", "Seeds", "shares_storage"]
+__all__ = ["ProbeWalk", "Seeds", "parameters_only", "shares_storage"]
 
 
 def shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
     """Whether ``t`` shares memory with any of ``others`` (so writing into it is not safe)."""
     ptr = t.untyped_storage().data_ptr()
     return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
+    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
+    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
+    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
+    touches parameter-sized tensors only."""
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if len(seen) > limit:
+            return False
+        var = getattr(f, "variable", None)
+        if var is not None:
+            if id(var) not in param_ids:
+                return False
+            continue
+        for nxt, _ in f.next_functions:
+            if nxt is None:
+                return False
+            stack.append(nxt)
+    return True
 
 
 class Seeds:
@@ -80,12 +106,25 @@ class ProbeWalk:
         on as one gradient rather than as a full partial backward each while the other waits
         (which holds the waiting one, grown to N x H x C at the linear layer). Where a node
         cannot be run alone (`_runnable`), the rest is one partial backward. The sum
-        over parameters is linear in the seeds: walking changes only the order of additions."""
+        over parameters is linear in the seeds: walking changes only the order of additions.
+        Gradients that reach a small computation on parameters alone (`parameters_only`, e.g.
+        GAT's attention vector folded into the weight) are not walked node by node: they go
+        to the parameters in the one partial backward that ends the walk, since a backward of
+        its own for each of those small nodes costs more than the node."""
         pending: dict[tuple[int, int], list] = {}
         self._merge(pending, edges, grads)  # (empties ``grads``)
         edges.clear()
+        param_side: list[list] = []  # [edge, gradient] into parameter-only subgraphs
+        params_only: dict[int, bool] = {}
         while pending:
             node = max((e.node for e, _ in pending.values()), key=lambda n: n._sequence_nr())
+            if id(node) not in params_only:
+                params_only[id(node)] = parameters_only(node, self._param_ids)
+            if params_only[id(node)]:
+                param_side += [
+                    pending.pop(k) for k in [k for k, (e, _) in pending.items() if e.node is node]
+                ]
+                continue
             if not self._runnable(node):
                 break
             keys = [k for k, (e, _) in pending.items() if e.node is node]
@@ -96,9 +135,10 @@ class ProbeWalk:
                 run_grads.append(g)
             del g
             self._merge(pending, *self._run_alone(acc, node, run_edges, run_grads))
-        if pending:
-            rest = list(pending.values())
-            pending.clear()
+        rest = param_side + list(pending.values())
+        pending.clear()
+        param_side.clear()
+        if rest:
             self._grad_into(acc, [e for e, _ in rest], [g for _, g in rest])
 
     @staticmethod

@@ -491,3 +491,36 @@ def test_walk_carries_seeds_that_meet_as_one_gradient():
     probe._walk(acc, edges, [s.clone() for s in seeds])
     assert runs == [torch.Size([5, 8])]  # once, on the summed gradient
     torch.testing.assert_close(acc[id(w)].float(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_walk_sends_parameter_only_subgraphs_to_one_partial_backward(monkeypatch):
+    """Gradients that reach a small computation on parameters alone (GAT's attention vector
+    folded into the weight, ``W^T a``) are not walked a node at a time: they go to the
+    parameters in the partial backward that ends the walk. The parameters' gradients are the
+    plain partial backward's."""
+    from gact_graph.policy.sensitivity import SensitivityProbe
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8))
+    a = nn.Parameter(torch.randn(8))
+    x = torch.randn(5, 8)
+    h = x @ w
+    folded = (w.t() @ a)[:, None]  # parameters only
+    s = h @ folded
+    seed = torch.randn(5, 1)
+    want = torch.autograd.grad([s], [w, a], [seed], retain_graph=True)
+    probe = SensitivityProbe.__new__(SensitivityProbe)
+    probe._params, probe._param_ids = [w, a], {id(w), id(a)}
+    ran = []
+    real = SensitivityProbe._run_alone
+
+    def run_alone(self, acc, fn, edges, grads):
+        ran.append(fn.name())
+        return real(self, acc, fn, edges, grads)
+
+    monkeypatch.setattr(SensitivityProbe, "_run_alone", run_alone)
+    acc: dict = {}
+    probe._walk(acc, [GradientEdge(s.grad_fn, 0)], [seed.clone()])
+    assert ran == ["MmBackward0", "MmBackward0"], ran  # s's and h's, not the folded vector's
+    for p, g in zip((w, a), want):
+        torch.testing.assert_close(acc[id(p)].float(), g, rtol=1e-5, atol=1e-6)
