@@ -65,7 +65,7 @@ from gact_graph.policy.sensitivity import S
 __all__ = ["AcgcAdapter", "BoundInfeasible", "allocate_bits_bounded", "attach_acgc"]
 
 #: cells of the DP table (tensors x cost states) before the costs are rounded up to a coarser
-#: unit; 2 M (1 MiB packed) keeps a re-plan of a 64-layer model well under a second on a CPU
+#: unit; 2 M cells (1 MiB packed) keep a re-plan's table bounded whatever the model's depth
 _DP_CELLS = 1 << 21
 
 

@@ -64,9 +64,8 @@ __all__ = [
 DEFAULT_LADDER = PLAN_BITS
 #: Size limits of the exact DP (`dp_units`): table cells (tensors x capacity states, packed two
 #: to a byte: 1 MiB) and capacity states (three float64 work buffers: 768 KiB). The DP runs on
-#: the host at ``ctl.iterate()``; with 2**25 cells and no state limit it held 7 MiB on a
-#: 64-layer GCNII (1,000 nodes, more than that step's own tensors) and 60 MiB on 5 tensors of
-#: 200,000 x 256. Beyond them the costs are rounded up to a coarser unit and `_exchange` polishes.
+#: the host at ``ctl.iterate()``, so its table counts in a CPU step's peak (docs/design.md,
+#: "Allocation"). Beyond them the costs are rounded up to a coarser unit and `_exchange` polishes.
 _DP_CELLS = 1 << 21
 _DP_STATES = 1 << 15
 
@@ -203,8 +202,8 @@ def mck_table(vals, w, states: int) -> tuple[np.ndarray, np.ndarray]:
 
     Memory: the choices are packed two to a byte (at most 16 per item; a ladder has 5), and
     the per-item work reuses three capacity-sized buffers. The table is built at a re-planning
-    step; on a 64-layer GCNII it was 12 MiB of resident memory at ``ctl.iterate()`` (67 items
-    x 132,505 states), more than the step's own rise on a small graph."""
+    step, where it adds to that step's resident memory on the host (a deep model's table can
+    exceed a small graph's own tensors)."""
     n, m = len(vals), len(vals[0])
     if m > 16:
         raise ValueError(f"at most 16 choices per item, got {m}")

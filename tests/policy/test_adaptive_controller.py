@@ -262,7 +262,7 @@ def test_a_probe_that_runs_out_of_memory_never_fails_the_step():
     The probe's own work (replays, partial backwards, closed forms) runs out of memory here at
     every turn: the step still completes with the gradients it has without the probe, a
     warning names the failure, and the tensors keep their bits."""
-    from gact_graph.policy import sensitivity
+    from gact_graph.policy import probe_estimates, sensitivity
 
     x, ei, y = _graph()
 
@@ -279,7 +279,7 @@ def test_a_probe_that_runs_out_of_memory_never_fails_the_step():
 
                 for name in ("_replay", "_grad_into", "_run_alone"):
                     mp.setattr(sensitivity.SensitivityProbe, name, out_of_memory)
-                mp.setattr(sensitivity, "row_rounding_variance", out_of_memory)
+                mp.setattr(probe_estimates, "row_rounding_variance", out_of_memory)
             nn.functional.cross_entropy(model(x, ei), y).backward()
             ctl.iterate()
         grads = [p.grad.clone() for p in model.parameters()]

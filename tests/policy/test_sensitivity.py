@@ -387,12 +387,12 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     for memory (issues 13, 14): the estimates are those of the dense one-pass backward."""
     from gact_graph import switches as lean
     from gact_graph.ops import batchnorm
-    from gact_graph.policy import sensitivity
+    from gact_graph.policy import probe_hooks, sensitivity
 
     ctl, step = _small_gat(2)
     state = torch.get_rng_state()
     made, lean_calls, scratch_calls, merged = [], [], [], []
-    real_chunked, real_is_lean = sensitivity.RowChunked, lean.is_lean
+    real_chunked, real_is_lean = probe_hooks.RowChunked, lean.is_lean
     real_scratch, real_merge = lean.is_scratch, sensitivity.SensitivityProbe._merge
 
     def chunked(q):
@@ -412,7 +412,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
         merged.append(sum(k in pending for k in keys) + len(keys) - len(set(keys)))
         real_merge(pending, edges, grads)
 
-    monkeypatch.setattr(sensitivity, "RowChunked", chunked)
+    monkeypatch.setattr(probe_hooks, "RowChunked", chunked)
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", is_lean)
     monkeypatch.setattr(batchnorm, "is_scratch", is_scratch)
     monkeypatch.setattr(sensitivity.SensitivityProbe, "_merge", staticmethod(merge))
@@ -425,7 +425,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     assert any(scratch_calls) and any(merged), (scratch_calls, merged)
     assert bn_chunks  # BatchNorm read its normalized input a row chunk at a time
 
-    monkeypatch.setattr(sensitivity, "RowChunked", lambda q: q.dequantize())
+    monkeypatch.setattr(probe_hooks, "RowChunked", lambda q: q.dequantize())
     monkeypatch.setattr("gact_graph.sparse.gat.is_lean", lambda: False)
     monkeypatch.setattr(batchnorm, "is_scratch", lambda t: False)
     monkeypatch.setattr(  # one plain partial backward per replay
@@ -491,3 +491,36 @@ def test_walk_carries_seeds_that_meet_as_one_gradient():
     probe._walk(acc, edges, [s.clone() for s in seeds])
     assert runs == [torch.Size([5, 8])]  # once, on the summed gradient
     torch.testing.assert_close(acc[id(w)].float(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_walk_sends_parameter_only_subgraphs_to_one_partial_backward(monkeypatch):
+    """Gradients that reach a small computation on parameters alone (GAT's attention vector
+    folded into the weight, ``W^T a``) are not walked a node at a time: they go to the
+    parameters in the partial backward that ends the walk. The parameters' gradients are the
+    plain partial backward's."""
+    from gact_graph.policy.sensitivity import SensitivityProbe
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8))
+    a = nn.Parameter(torch.randn(8))
+    x = torch.randn(5, 8)
+    h = x @ w
+    folded = (w.t() @ a)[:, None]  # parameters only
+    s = h @ folded
+    seed = torch.randn(5, 1)
+    want = torch.autograd.grad([s], [w, a], [seed], retain_graph=True)
+    probe = SensitivityProbe.__new__(SensitivityProbe)
+    probe._params, probe._param_ids = [w, a], {id(w), id(a)}
+    ran = []
+    real = SensitivityProbe._run_alone
+
+    def run_alone(self, acc, fn, edges, grads):
+        ran.append(fn.name())
+        return real(self, acc, fn, edges, grads)
+
+    monkeypatch.setattr(SensitivityProbe, "_run_alone", run_alone)
+    acc: dict = {}
+    probe._walk(acc, [GradientEdge(s.grad_fn, 0)], [seed.clone()])
+    assert ran == ["MmBackward0", "MmBackward0"], ran  # s's and h's, not the folded vector's
+    for p, g in zip((w, a), want):
+        torch.testing.assert_close(acc[id(p)].float(), g, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,209 @@
+"""How the probe carries a replay's noise from the activation gradients it enters to the
+parameters (one job of :class:`~gact_graph.policy.sensitivity.SensitivityProbe`).
+
+A replay (`gact_graph.policy.probe_estimates`) leaves its noise in the gradients the replayed
+node emits: :class:`Seeds`. They are not carried at once but from the pre-hook of the first
+node they enter (`ProbeWalk._defer`), when the user's backward has released the replayed
+node's gradients, and then walked by hand a node at a time (`ProbeWalk._walk`) so that each
+gradient is released once its node has run and gradients that meet go on as one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["ProbeWalk", "Seeds", "parameters_only", "shares_storage"]
+
+
+def shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
+    """Whether ``t`` shares memory with any of ``others`` (so writing into it is not safe)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
+    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
+    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
+    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
+    touches parameter-sized tensors only."""
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if len(seen) > limit:
+            return False
+        var = getattr(f, "variable", None)
+        if var is not None:
+            if id(var) not in param_ids:
+                return False
+            continue
+        for nxt, _ in f.next_functions:
+            if nxt is None:
+                return False
+            stack.append(nxt)
+    return True
+
+
+class Seeds:
+    """The noise one replay put into the gradients of activations: ``grads[i]`` enters the
+    graph at ``edges[i]``; carried to the parameters together (same noise draw)."""
+
+    __slots__ = ("name", "edges", "grads", "done")
+
+    def __init__(self, name: str, edges: list, grads: list[Tensor]) -> None:
+        self.name, self.edges, self.grads, self.done = name, edges, grads, False
+
+
+class ProbeWalk:
+    """The partial backwards of :class:`~gact_graph.policy.sensitivity.SensitivityProbe`: a
+    mixin, with the probe's state (``_params``, ``_pending``, ``_acc``, ...) set up by it."""
+
+    def _defer(self, seeds: Seeds) -> None:
+        """Carry a replay's noise in the gradients it emits to the parameters later, in one
+        partial backward from the first of the nodes it enters to run (its pre-hook): by then
+        the user's backward has released the gradients of the replayed node, so the partial
+        backward runs on top of one tensor fewer or two than it would right after the replay,
+        and none of the nodes below has run yet."""
+        for edge in seeds.edges:
+            self._pending.setdefault(id(edge.node), []).append(seeds)
+        self._open[seeds.name] = self._open.get(seeds.name, 0) + 1
+
+    def _propagate(self, seeds: Seeds) -> None:
+        """The partial backward deferred by `_defer` (once, from whichever node runs first)."""
+        if seeds.done:
+            return
+        seeds.done = True
+        t0 = time.perf_counter()
+        name = seeds.name
+        edges, grads = seeds.edges, seeds.grads
+        seeds.edges, seeds.grads = [], []
+        with self._inside():
+            try:
+                self._walk(self._acc.setdefault(name, {}), edges, grads)
+            except Exception as exc:  # never break the user's backward
+                self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
+            finally:
+                edges = grads = None
+        self.seconds += time.perf_counter() - t0
+        self._open[name] -= 1
+        self._finish_read(name, read=False)
+
+    def _walk(self, acc: dict[int, Tensor], edges: list, grads: list[Tensor]) -> None:
+        """Carry the seeds ``grads`` at ``edges`` to the parameters (into ``acc``) by hand, one
+        node at a time, latest in forward order first (as the engine orders them: no node left
+        feeds the one that runs), with the gradients that reach one node input summed into one
+        tensor as soon as both exist. A partial backward holds the gradients it starts from
+        to its end; walked so, each is released once its node has run, and seeds that meet
+        below (GAT's attention logits and features, both from one linear layer's output) go
+        on as one gradient rather than as a full partial backward each while the other waits
+        (which holds the waiting one, grown to N x H x C at the linear layer). Where a node
+        cannot be run alone (`_runnable`), the rest is one partial backward. The sum
+        over parameters is linear in the seeds: walking changes only the order of additions.
+        Gradients that reach a small computation on parameters alone (`parameters_only`, e.g.
+        GAT's attention vector folded into the weight) are not walked node by node: they go
+        to the parameters in the one partial backward that ends the walk, since a backward of
+        its own for each of those small nodes costs more than the node."""
+        pending: dict[tuple[int, int], list] = {}
+        self._merge(pending, edges, grads)  # (empties ``grads``)
+        edges.clear()
+        param_side: list[list] = []  # [edge, gradient] into parameter-only subgraphs
+        params_only: dict[int, bool] = {}
+        while pending:
+            node = max((e.node for e, _ in pending.values()), key=lambda n: n._sequence_nr())
+            if id(node) not in params_only:
+                params_only[id(node)] = parameters_only(node, self._param_ids)
+            if params_only[id(node)]:
+                param_side += [
+                    pending.pop(k) for k in [k for k, (e, _) in pending.items() if e.node is node]
+                ]
+                continue
+            if not self._runnable(node):
+                break
+            keys = [k for k, (e, _) in pending.items() if e.node is node]
+            run_edges, run_grads = [], []
+            for k in keys:
+                e, g = pending.pop(k)
+                run_edges.append(e)
+                run_grads.append(g)
+            del g
+            self._merge(pending, *self._run_alone(acc, node, run_edges, run_grads))
+        rest = param_side + list(pending.values())
+        pending.clear()
+        param_side.clear()
+        if rest:
+            self._grad_into(acc, [e for e, _ in rest], [g for _, g in rest])
+
+    @staticmethod
+    def _merge(pending: dict, edges: list, grads: list[Tensor]) -> None:
+        """Add ``grads`` into ``pending`` (node input -> [edge, gradient]); a gradient already
+        there takes the new one in place unless its memory is shared (an add node hands one
+        tensor to both its inputs)."""
+        for e, g in zip(edges, grads):
+            key = (id(e.node), e.output_nr)
+            if key not in pending:
+                pending[key] = [e, g]
+                continue
+            have = pending[key][1]
+            others = [t for k, (_, t) in pending.items() if k != key] + [g]
+            pending[key][1] = have.add_(g) if not shares_storage(have, others) else have + g
+            del have, others
+        grads.clear()
+
+    @staticmethod
+    def _runnable(fn) -> bool:
+        """Whether the walk may run ``fn`` alone: C++ nodes and this package's own Functions
+        (another Python node may accumulate into ``.grad`` itself, e.g. a reentrant
+        checkpoint), not a leaf's accumulator, and with somewhere to send its gradients."""
+        ours = getattr(getattr(fn, "_forward_cls", None), "__module__", "").startswith("gact_graph")
+        if (not callable(fn) and not ours) or getattr(fn, "variable", None) is not None:
+            return False
+        return any(nxt is not None for nxt, _ in fn.next_functions)
+
+    def _run_alone(self, acc: dict[int, Tensor], fn, edges: list, grads: list[Tensor]):
+        """Run ``fn`` on ``grads`` (at its outputs ``edges``; the list is emptied, so that
+        the gradients go once ``fn`` has run) in a backward of its own (``torch.autograd.grad``
+        stopped at its input edges, as the partial backwards do: a checkpoint segment counts
+        its unpacks per backward pass). What reaches a parameter is added to ``acc``; returns
+        the edges and gradients it sends further."""
+        targets: dict[tuple[int, int], GradientEdge] = {}
+        for nxt, nnr in fn.next_functions:
+            if nxt is not None:
+                targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
+        ins = list(targets.values())
+        held = list(grads)
+        grads.clear()
+        out = list(torch.autograd.grad(edges, ins, held, retain_graph=True, allow_unused=True))
+        held.clear()
+        next_edges, next_grads = [], []
+        for k, target in enumerate(ins):
+            o, out[k] = out[k], None
+            # an all-zero gradient goes on as well: testing for one reads the whole tensor (and
+            # waits for the device) at every node, which costs more than the rare branch it
+            # would spare
+            if o is None or not o.is_floating_point():
+                continue
+            var = getattr(target.node, "variable", None)
+            if var is not None:
+                if id(var) in self._param_ids:
+                    self._add(acc, var, o)
+                continue
+            next_edges.append(target)
+            next_grads.append(o)
+        return next_edges, next_grads
+
+    def _grad_into(self, acc: dict[int, Tensor], edges: list, seeds: list[Tensor]) -> None:
+        """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""
+        if not self._params:
+            return
+        res = torch.autograd.grad(edges, self._params, seeds, retain_graph=True, allow_unused=True)
+        for p, r in zip(self._params, res):
+            if r is not None:
+                self._add(acc, p, r)

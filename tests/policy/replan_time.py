@@ -1,0 +1,83 @@
+"""Wall time of each training step of the default (adaptive) mode, and each re-planning step's
+time over the median of the others: what a probed step costs.
+
+    python tests/policy/replan_time.py [--models gat,gcn,gcnii] [--scale 0.02] [--steps 17]
+
+One thread, the ogbn-arxiv presets of `gact_graph.models.preset` on the synthetic arxiv-like
+graph at ``--scale``; a step is forward, loss, backward, Adam step and ``ctl.iterate()``. The
+default mode probes steps 0, 1, 3, 7, 15, ...; step 0 also pays first-call costs, so the figure
+to read is the worst of the later probed steps. Prints one JSON line per model. The package
+is the one on ``PYTHONPATH`` if any (to time two trees in one session), else this checkout's."""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+try:
+    import gact_graph  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import torch.nn.functional as F
+
+from gact_graph import compress_gnn
+from gact_graph.datasets import load_dataset
+from gact_graph.models import build_model, preset
+
+PROBED = (0, 1, 3, 7, 15, 31)
+
+
+def step_times(name: str, data, steps: int) -> list[float]:
+    cfg = preset(name, "synthetic-ogbn-arxiv")
+    torch.manual_seed(0)
+    model = build_model(name, data.num_features, int(data.num_classes), **cfg["model"])
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    ctl = compress_gnn(model, bits=2)
+
+    def step_fn():
+        opt.zero_grad(set_to_none=True)
+        out = model(data.x, data.edge_index)
+        loss = F.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+        loss.backward()
+        return loss
+
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        opt.step()
+        ctl.iterate(step_fn)
+        times.append(time.perf_counter() - t0)
+    ctl.remove()
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gat,gcn,gcnii")
+    p.add_argument("--scale", type=float, default=0.02)
+    p.add_argument("--steps", type=int, default=17)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    data = load_dataset("synthetic-ogbn-arxiv", scale=args.scale, seed=0)
+    for name in args.models.split(","):
+        times = step_times(name, data, args.steps)
+        median = statistics.median(t for i, t in enumerate(times) if i not in PROBED)
+        ratios = {i: times[i] / median for i in PROBED if i < len(times)}
+        later = [r for i, r in ratios.items() if i > 0]
+        print(json.dumps({
+            "model": name, "median_s": round(median, 4),
+            "probed_over_median": {str(i): round(r, 2) for i, r in ratios.items()},
+            "worst_later_probed": round(max(later), 2) if later else None,
+        }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
