@@ -329,22 +329,27 @@ def _hash_pair(t: Tensor) -> Tensor:
     so a cached graph is checked against it with device ops."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
-    h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
-    h2 = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if n == 0:
+        return torch.zeros(2, dtype=torch.int64, device=flat.device)
     chunk = _hash_chunk(flat.device)
+    pair = None
     for start in range(0, n, chunk):
         # in place where the tensor is this loop's own (``v`` may be the caller's int64 data):
         # four chunk-sized int64 tensors at once, not seven (a graph's first step builds its
         # adjacency, and on a small graph this hash of its edge index can be that step's peak)
-        v = _as_int64_values(flat[start : start + chunk])
+        v = _as_int64_values(flat[start : start + chunk] if n > chunk else flat)
         m = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
         m.mul_(_M1).bitwise_xor_(m >> 31).mul_(_M2).bitwise_xor_(m >> 27)
         a = torch.bitwise_xor(v, m).mul_(_M3)
-        h1 += a.bitwise_xor_(a >> 29).sum()
+        h1 = a.bitwise_xor_(a >> 29).sum()
         b = torch.add(v, m, out=a).mul_(_M1)
-        h2 += b.bitwise_xor_(b >> 32).sum()
+        h2 = b.bitwise_xor_(b >> 32).sum()
+        # one chunk (a graph of up to `_hash_chunk` entries: every step's check) needs no
+        # running sum: its pair is the hash (int64 sums wrap alike in either order)
+        part = torch.stack((h1, h2))
+        pair = part if pair is None else pair.add_(part)
         del v, m, a, b
-    return torch.stack((h1, h2))
+    return pair
 
 
 def content_hash(t: Tensor | None) -> tuple:
@@ -494,6 +499,8 @@ def _digest(parts: list[Tensor]) -> Tensor | None:
     """The `_hash_pair` of every part, on their device (one pass over each; no host sync)."""
     if not parts:
         return None
+    if len(parts) == 1:
+        return _hash_pair(parts[0])
     return torch.cat([_hash_pair(p) for p in parts])
 
 
