@@ -30,6 +30,7 @@ import torch_geometric.typing as pyg_typing
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gact_graph.kernels import force_triton, triton_available
 from gact_graph.switches import once_per_graph
 
 __all__ = [
@@ -324,6 +325,17 @@ def _as_int64_values(t: Tensor) -> Tensor:
     return t.to(torch.int64)
 
 
+def _hash_on_triton(flat: Tensor) -> bool:
+    """Whether `_hash_pair` runs the one-launch Triton kernel (`gact_graph.kernels.content_hash`,
+    CUDA; CPU tensors only when the kernel tests force it) rather than the chunked PyTorch ops:
+    both give the same two sums."""
+    if not (flat.is_cuda or force_triton()) or not triton_available():
+        return False
+    from gact_graph.kernels.content_hash import HASHABLE_DTYPES
+
+    return flat.dtype in HASHABLE_DTYPES and flat.is_contiguous()
+
+
 def _hash_pair(t: Tensor) -> Tensor:
     """`content_hash`'s two 64-bit sums as one int64 [2] tensor on ``t``'s device: no host sync,
     so a cached graph is checked against it with device ops."""
@@ -331,6 +343,10 @@ def _hash_pair(t: Tensor) -> Tensor:
     n = flat.numel()
     if n == 0:
         return torch.zeros(2, dtype=torch.int64, device=flat.device)
+    if _hash_on_triton(flat):  # one launch, no temporaries (every forward's check on a GPU)
+        from gact_graph.kernels.content_hash import triton_hash_pair
+
+        return triton_hash_pair(flat, _M1, _M2, _M3)
     chunk = _hash_chunk(flat.device)
     pair = None
     for start in range(0, n, chunk):
