@@ -74,7 +74,7 @@ if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
     : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
     : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry}"
     : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
-    : "${HOST_STEP_ARGS:=--scale 0.002}" "${HOST_ARGS:=--steps 5 --warmup 3}"
+    : "${HOST_STEP_ARGS:=--scale 0.002}" "${HOST_ARGS:=--steps 5 --warmup 3 --nodes 200}"
 fi
 DEV="${SUITE_DEVICE:-cuda}"
 SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
@@ -164,7 +164,8 @@ for check in forward version; do
         ${HOST_STEP_ARGS:-}
 done
 run_stage host_overhead $((T_HOST / 3)) \
-    "$PY" benchmarks/host_overhead.py --device "$DEV" --model gcn ${HOST_ARGS:-}
+    "$PY" benchmarks/host_overhead.py --device "$DEV" --model gcn \
+    ${HOST_ARGS:---nodes 4000 --edges 20000 --features 128}
 
 # suite.json and SUMMARY.md from what the stages wrote
 "$PY" - "$OUTDIR" "$STAGES" "$START" <<'EOF' >>"$LOG" 2>&1
