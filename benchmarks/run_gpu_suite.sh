@@ -18,6 +18,12 @@
 #   gatv2_edge  the same with --op gatv2 (its table in suite.log only: 8 files come back)
 #   small       benchmarks/small_graph_epoch.py --device cuda   CiteSeer-sized epoch vs FP32
 #   products    benchmarks/budget_products.py --hidden 32   ogbn-products-size GAT, 16 GiB
+#   host_step_forward, host_step_version   step_time.py GCN (stock, fixed and default 2-bit)
+#               with graph_check "forward" / "version": the graph check's cost per step
+#   host_overhead   benchmarks/host_overhead.py --device cuda: ops, possible syncs and the
+#               syncs CUDA itself reports in one steady-state GCN step (suite.log only)
+#
+#   SUITE_STAGES="host_step_forward host_step_version host_overhead" T_HOST=150 bash benchmarks/run_gpu_suite.sh
 #
 #   SUITE_STAGES="cuda_tests quantize gat_edge gatv2_edge step_time small products" bash benchmarks/run_gpu_suite.sh
 #
@@ -54,6 +60,7 @@ T_CUDA_TESTS="${T_CUDA_TESTS:-120}"
 T_GAT_EDGE="${T_GAT_EDGE:-60}"
 T_SMALL="${T_SMALL:-60}"
 T_PRODUCTS="${T_PRODUCTS:-150}"
+T_HOST="${T_HOST:-90}"
 SUITE_STAGES=" ${SUITE_STAGES:-quantize memory step_time scaling largest} "
 # SUITE_DEVICE=cpu and the *_ARGS variables (extra arguments per stage, word-split) exist to
 # dry-run the suite's mechanics on a machine without a GPU, with tiny sizes; SUITE_DRY_RUN=1
@@ -67,6 +74,7 @@ if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
     : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
     : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry}"
     : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
+    : "${HOST_STEP_ARGS:=--scale 0.002}" "${HOST_ARGS:=--steps 5 --warmup 3 --nodes 200}"
 fi
 DEV="${SUITE_DEVICE:-cuda}"
 SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
@@ -147,6 +155,17 @@ run_stage small "$T_SMALL" \
 run_stage products "$T_PRODUCTS" \
     "$PY" benchmarks/budget_products.py --device "$DEV" --hidden 32 --steps 4 \
     --json "$OUTDIR/budget_products.json" ${PRODUCTS_ARGS:-}
+
+for check in forward version; do
+    run_stage "host_step_$check" $((T_HOST / 3)) \
+        "$PY" benchmarks/step_time.py --device "$DEV" --models gcn --warmup 2 --steps 10 \
+        --methods stock,L1-2bit,L1-2bit-adaptive --graph-check "$check" \
+        --time-budget $((T_HOST / 3 - 15)) --json "$OUTDIR/step_check_$check.json" \
+        ${HOST_STEP_ARGS:-}
+done
+run_stage host_overhead $((T_HOST / 3)) \
+    "$PY" benchmarks/host_overhead.py --device "$DEV" --model gcn \
+    ${HOST_ARGS:---nodes 4000 --edges 20000 --features 128}
 
 # suite.json and SUMMARY.md from what the stages wrote
 "$PY" - "$OUTDIR" "$STAGES" "$START" <<'EOF' >>"$LOG" 2>&1

@@ -30,6 +30,7 @@ import torch_geometric.typing as pyg_typing
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gact_graph.kernels import force_triton, triton_available
 from gact_graph.switches import once_per_graph
 
 __all__ = [
@@ -324,27 +325,47 @@ def _as_int64_values(t: Tensor) -> Tensor:
     return t.to(torch.int64)
 
 
+def _hash_on_triton(flat: Tensor) -> bool:
+    """Whether `_hash_pair` runs the one-launch Triton kernel (`gact_graph.kernels.content_hash`,
+    CUDA; CPU tensors only when the kernel tests force it) rather than the chunked PyTorch ops:
+    both give the same two sums."""
+    if not (flat.is_cuda or force_triton()) or not triton_available():
+        return False
+    from gact_graph.kernels.content_hash import HASHABLE_DTYPES
+
+    return flat.dtype in HASHABLE_DTYPES and flat.is_contiguous()
+
+
 def _hash_pair(t: Tensor) -> Tensor:
     """`content_hash`'s two 64-bit sums as one int64 [2] tensor on ``t``'s device: no host sync,
     so a cached graph is checked against it with device ops."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
-    h1 = torch.zeros((), dtype=torch.int64, device=flat.device)
-    h2 = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if n == 0:
+        return torch.zeros(2, dtype=torch.int64, device=flat.device)
+    if _hash_on_triton(flat):  # one launch, no temporaries (every forward's check on a GPU)
+        from gact_graph.kernels.content_hash import triton_hash_pair
+
+        return triton_hash_pair(flat, _M1, _M2, _M3)
     chunk = _hash_chunk(flat.device)
+    pair = None
     for start in range(0, n, chunk):
         # in place where the tensor is this loop's own (``v`` may be the caller's int64 data):
         # four chunk-sized int64 tensors at once, not seven (a graph's first step builds its
         # adjacency, and on a small graph this hash of its edge index can be that step's peak)
-        v = _as_int64_values(flat[start : start + chunk])
+        v = _as_int64_values(flat[start : start + chunk] if n > chunk else flat)
         m = torch.arange(start, start + v.numel(), dtype=torch.int64, device=flat.device)
         m.mul_(_M1).bitwise_xor_(m >> 31).mul_(_M2).bitwise_xor_(m >> 27)
         a = torch.bitwise_xor(v, m).mul_(_M3)
-        h1 += a.bitwise_xor_(a >> 29).sum()
+        h1 = a.bitwise_xor_(a >> 29).sum()
         b = torch.add(v, m, out=a).mul_(_M1)
-        h2 += b.bitwise_xor_(b >> 32).sum()
+        h2 = b.bitwise_xor_(b >> 32).sum()
+        # one chunk (a graph of up to `_hash_chunk` entries: every step's check) needs no
+        # running sum: its pair is the hash (int64 sums wrap alike in either order)
+        part = torch.stack((h1, h2))
+        pair = part if pair is None else pair.add_(part)
         del v, m, a, b
-    return torch.stack((h1, h2))
+    return pair
 
 
 def content_hash(t: Tensor | None) -> tuple:
@@ -494,6 +515,8 @@ def _digest(parts: list[Tensor]) -> Tensor | None:
     """The `_hash_pair` of every part, on their device (one pass over each; no host sync)."""
     if not parts:
         return None
+    if len(parts) == 1:
+        return _hash_pair(parts[0])
     return torch.cat([_hash_pair(p) for p in parts])
 
 

@@ -55,3 +55,28 @@ def test_bench_quantize_sass_counts_instructions_without_a_gpu():
         per_element = float(ln.split("|")[4])
         assert 0 < per_element < 60, ln  # the one-pass kernels; the old quantizer took 128
         assert "v4" in ln, ln  # vectorized 16-byte accesses on the unpacked side
+
+
+def test_host_overhead_counts_a_step(tmp_path):
+    out = tmp_path / "h.json"
+    _run("host_overhead.py", "--nodes", "60", "--edges", "200", "--hidden", "8", "--features",
+         "8", "--warmup", "2", "--steps", "2", "--methods", "stock,fixed-2bit",
+         "--graph-check", "version", "--json", str(out))  # fmt: skip
+    res = json.loads(out.read_text())
+    stock, ours = res["methods"]["stock"], res["methods"]["fixed-2bit"]
+    assert res["extra"] == {"graph_check": "version"}
+    # the compressed step dispatches at least stock's ops (the same model and optimizer)
+    assert 0 < stock["ops_per_step"] <= ours["ops_per_step"]
+    assert stock["median_step_us"] > 0 and ours["median_step_us"] > 0
+    # no graph check: no `equal` of two digests in the step
+    assert not any(name == "aten.equal" for name, _, _ in ours["possible_syncs"])
+
+
+def test_step_time_passes_graph_check(tmp_path):
+    out = tmp_path / "s.json"
+    _run("step_time.py", "--device", "cpu", "--scale", "0.002", "--models", "gcn", "--methods",
+         "stock,L1-2bit", "--warmup", "0", "--steps", "1", "--graph-check", "version",
+         "--json", str(out))  # fmt: skip
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["L1-2bit"]["compress"]["graph_check"] == "version"
+    assert rows["stock"]["compress"] is None

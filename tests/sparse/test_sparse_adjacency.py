@@ -342,6 +342,38 @@ def test_content_hash_holds_four_chunks_and_leaves_its_input(monkeypatch):
     assert content_hash(ei) == h
 
 
+def _hash_pair_reference(t: torch.Tensor) -> torch.Tensor:
+    """The content hash's two int64 sums in one pass over the whole tensor (no chunks)."""
+    from gact_graph.sparse import adjacency as a
+
+    v = a._as_int64_values(t.reshape(-1))
+    m = torch.arange(v.numel(), dtype=torch.int64)
+    m = m * a._M1
+    m = (m ^ (m >> 31)) * a._M2
+    m = m ^ (m >> 27)
+    x = (v ^ m) * a._M3
+    y = (v + m) * a._M1
+    return torch.stack(((x ^ (x >> 29)).sum(), (y ^ (y >> 32)).sum()))
+
+
+@pytest.mark.parametrize("chunk", [None, 1000, 4096])
+@pytest.mark.parametrize("numel", [0, 1, 4096, 10_001])
+def test_hash_pair_equals_its_one_pass_reference(monkeypatch, chunk, numel):
+    """One chunk (the hash is its own pair) and several (summed) give the one-pass sums."""
+    from gact_graph.sparse import adjacency
+
+    if chunk is not None:
+        monkeypatch.setattr(adjacency, "_hash_chunk", lambda device: chunk)
+    gen = torch.Generator().manual_seed(numel)
+    for t in (torch.randint(-(2**40), 2**40, (numel,), generator=gen),
+              torch.randn(numel, generator=gen)):  # fmt: skip
+        before = t.clone()
+        got = adjacency._hash_pair(t)
+        assert torch.equal(t, before)
+        assert got.dtype == torch.int64 and got.shape == (2,)
+        assert torch.equal(got, _hash_pair_reference(t))
+
+
 def test_content_hash_distinguishes_and_ignores_width():
     a = torch.arange(1000)
     assert content_hash(a) == content_hash(a.to(torch.int32))

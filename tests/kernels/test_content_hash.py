@@ -1,0 +1,109 @@
+"""The adjacency cache's one-launch content hash (`gact_graph.kernels.content_hash`) equals the
+chunked PyTorch hash of `gact_graph.sparse.adjacency`, for every dtype it reads, sizes around
+its block, values that overflow int64 products, and the cache's check through ``_hash_pair``.
+
+The kernel runs on CUDA, or on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, set before
+Triton is imported): ``test_interpreter_in_subprocess`` re-runs this file so.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gact_graph.kernels import content_hash as ch
+from gact_graph.sparse import adjacency
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+# marked cuda too: the GPU suite's ``pytest -m cuda`` runs them compiled on the device
+needs_kernel = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
+        reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+    ),
+]
+
+
+def _kernel(f):
+    for mark in needs_kernel:
+        f = mark(f)
+    return f
+
+
+def _torch_pair(t: torch.Tensor) -> torch.Tensor:
+    """The chunked PyTorch hash on CPU (the reference)."""
+    return adjacency._hash_pair(t.cpu())
+
+
+def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = torch.randn(n, generator=gen, dtype=torch.float64) * 1e3
+        return t.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+@_kernel
+@pytest.mark.parametrize("dtype", ch.HASHABLE_DTYPES)
+@pytest.mark.parametrize("n", [1, ch.BLOCK - 1, ch.BLOCK, 3 * ch.BLOCK + 17])
+def test_kernel_equals_the_torch_hash(dtype, n):
+    t = _values(dtype, n, seed=n)
+    got = ch.triton_hash_pair(t.to(DEVICE), adjacency._M1, adjacency._M2, adjacency._M3)
+    assert torch.equal(got.cpu(), _torch_pair(t))
+
+
+@_kernel
+def test_kernel_sees_a_swap_and_an_empty_tensor():
+    a = torch.arange(5000).to(DEVICE)
+    b = a.clone()
+    b[100], b[101] = a[101], a[100]
+    args = (adjacency._M1, adjacency._M2, adjacency._M3)
+    assert not torch.equal(ch.triton_hash_pair(a, *args), ch.triton_hash_pair(b, *args))
+    empty = ch.triton_hash_pair(torch.empty(0, dtype=torch.int64, device=DEVICE), *args)
+    assert empty.tolist() == [0, 0] == _torch_pair(torch.empty(0, dtype=torch.int64)).tolist()
+
+
+@_kernel
+def test_hash_pair_takes_the_kernel_and_keeps_its_value(monkeypatch):
+    """Through `_hash_pair` (what every forward's graph check calls): the kernel path on CUDA
+    (or forced), with the value of the PyTorch path; an edge index's rows (views) included."""
+    monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
+    ei = _values(torch.int64, 2 * 7000, seed=3).view(2, 7000).to(DEVICE)
+    assert adjacency._hash_on_triton(ei.reshape(-1))
+    for part in (ei, ei[0], ei[1], ei.to(torch.int32)):
+        assert torch.equal(adjacency._hash_pair(part).cpu(), _torch_pair(part))
+    # bool is not read by the kernel: the PyTorch path takes it
+    mask = torch.ones(10, dtype=torch.bool, device=DEVICE)
+    assert not adjacency._hash_on_triton(mask)
+    assert torch.equal(adjacency._hash_pair(mask).cpu(), _torch_pair(mask))
+
+
+def test_bad_input_is_named():
+    if not HAS_TRITON:
+        pytest.skip("needs Triton")
+    args = (adjacency._M1, adjacency._M2, adjacency._M3)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        ch.triton_hash_pair(torch.zeros(2, 3, dtype=torch.int64), *args)
+    with pytest.raises(TypeError, match="bool"):
+        ch.triton_hash_pair(torch.zeros(3, dtype=torch.bool), *args)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
+def test_interpreter_in_subprocess():
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "not subprocess", "-W", "ignore::RuntimeWarning"]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
