@@ -344,9 +344,52 @@ def _hash_pair(t: Tensor) -> Tensor:
     if n == 0:
         return torch.zeros(2, dtype=torch.int64, device=flat.device)
     if _hash_on_triton(flat):  # one launch, no temporaries (every forward's check on a GPU)
-        from gact_graph.kernels.content_hash import triton_hash_pair
+        pair = _checked_triton_hash_pair(flat)
+        if pair is not None:
+            return pair
+    return _torch_hash_pair(flat)
 
+
+#: (device, dtype) -> whether the Triton hash agreed with the PyTorch one on its first use there
+_TRITON_HASH_TRUSTED: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _checked_triton_hash_pair(flat: Tensor) -> Tensor | None:
+    """The Triton kernel's pair, or None where it is not trusted. On its first use per device
+    and dtype the kernel's pair is compared with the PyTorch ops' (one read to the host, once):
+    a cache key computed two ways would mistake every graph for a new one, or worse, a changed
+    graph for the cached one, so a kernel that fails to build or disagrees is set aside with a
+    warning and the PyTorch path serves from then on."""
+    from gact_graph.kernels.content_hash import triton_hash_pair
+
+    key = (flat.device, flat.dtype)
+    trusted = _TRITON_HASH_TRUSTED.get(key)
+    if trusted is False:
+        return None
+    if trusted:
         return triton_hash_pair(flat, _M1, _M2, _M3)
+    try:
+        pair = triton_hash_pair(flat, _M1, _M2, _M3)
+        agrees = torch.equal(pair, _torch_hash_pair(flat))
+        problem = "" if agrees else "its hash differs from the PyTorch reference's"
+    except Exception as exc:  # a kernel that cannot build here must not stop training
+        pair, problem = None, f"{type(exc).__name__}: {exc}"
+    _TRITON_HASH_TRUSTED[key] = not problem
+    if problem:
+        warnings.warn(
+            f"gact_graph: the Triton content hash is not used on {flat.device} for "
+            f"{flat.dtype} ({problem}); the graph check uses PyTorch ops there instead "
+            "(correct, more kernel launches). Please report this with your GPU and Triton version.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return pair
+
+
+def _torch_hash_pair(flat: Tensor) -> Tensor:
+    """`_hash_pair` by PyTorch ops, in bounded chunks: the CPU path and the kernel's oracle."""
+    n = flat.numel()
     chunk = _hash_chunk(flat.device)
     pair = None
     for start in range(0, n, chunk):

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,11 @@ def _kernel(f):
 
 
 def _torch_pair(t: torch.Tensor) -> torch.Tensor:
-    """The chunked PyTorch hash on CPU (the reference)."""
-    return adjacency._hash_pair(t.cpu())
+    """The chunked PyTorch hash on CPU (the reference; never the kernel, even when forced)."""
+    flat = t.detach().cpu().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64)
+    return adjacency._torch_hash_pair(flat)
 
 
 def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
@@ -82,10 +86,39 @@ def test_hash_pair_takes_the_kernel_and_keeps_its_value(monkeypatch):
     assert adjacency._hash_on_triton(ei.reshape(-1))
     for part in (ei, ei[0], ei[1], ei.to(torch.int32)):
         assert torch.equal(adjacency._hash_pair(part).cpu(), _torch_pair(part))
+    # the first use's comparison with the PyTorch ops trusted the kernel (no fallback taken)
+    for dtype in (torch.int64, torch.int32):
+        assert adjacency._TRITON_HASH_TRUSTED[(ei.device, dtype)] is True
     # bool is not read by the kernel: the PyTorch path takes it
     mask = torch.ones(10, dtype=torch.bool, device=DEVICE)
     assert not adjacency._hash_on_triton(mask)
     assert torch.equal(adjacency._hash_pair(mask).cpu(), _torch_pair(mask))
+
+
+@pytest.mark.parametrize("fault", ["raises", "disagrees"])
+def test_a_kernel_that_fails_or_disagrees_is_set_aside_with_a_warning(monkeypatch, fault):
+    """A kernel that cannot build on the user's GPU, or hashes differently there, must neither
+    stop training nor key the cache by a second hash: warn once, then the PyTorch ops serve."""
+    calls = []
+
+    def broken(flat, *args):
+        calls.append(flat.numel())
+        if fault == "raises":
+            raise RuntimeError("no kernel image for this device")
+        return torch.zeros(2, dtype=torch.int64, device=flat.device)
+
+    monkeypatch.setattr(ch, "triton_hash_pair", broken)
+    monkeypatch.setattr(adjacency, "_hash_on_triton", lambda flat: True)
+    monkeypatch.setattr(adjacency, "_TRITON_HASH_TRUSTED", {})
+    t = _values(torch.int64, 9000, seed=5)
+    with pytest.warns(RuntimeWarning, match="Triton content hash is not used"):
+        first = adjacency._hash_pair(t)
+    assert torch.equal(first, _torch_pair(t))
+    assert adjacency._TRITON_HASH_TRUSTED[(t.device, t.dtype)] is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(adjacency._hash_pair(t), first)
+    assert calls == [9000]  # set aside after its first use
 
 
 def test_bad_input_is_named():
