@@ -437,7 +437,17 @@ class Adapter:
                         self._update(ctl, est, grad_sq=None)
                 return
             probe = self._probe
-            if probe is not None and probe.hooked and probe.ran:
+            if probe is not None and probe.hooked and not probe.compressed:
+                # Nothing was quantized (every tensor under ``min_bytes``, or kept by a
+                # graph-aware path): nothing to estimate, and arming again at once would hook
+                # every step's graph for nothing. Look again later, on the usual doubling
+                # schedule, in case larger inputs come.
+                probe.close()
+                self._probe = None
+                if self.fixed_interval is None:
+                    self.interval = min(self.max_interval, self.interval * 2)
+                self.next_estimate = ctl.step + self.interval
+            elif probe is not None and probe.hooked and probe.ran:
                 self._observe(ctl)  # the tensors of the probed forward
                 est = probe.result()
                 self.probe_seconds += probe.seconds

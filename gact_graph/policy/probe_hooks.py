@@ -110,6 +110,8 @@ class ProbeHooks:
     def _pack(self, t: Tensor, inner):
         stored = inner(t)
         p = getattr(stored, "payload", None)
+        if isinstance(p, QTensor):
+            self.compressed = True
         if isinstance(p, QTensor) and stored not in self._kappa:
             t0 = time.perf_counter()
             # the probe's own work (`lean_backward` marks it so): what it keeps here lives

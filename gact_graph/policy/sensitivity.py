@@ -162,6 +162,7 @@ class SensitivityProbe(ProbeHooks, ProbeEstimates, ProbeWalk):
         self.armed = False
         self.hooked = False  # a forward with a graph was hooked
         self.ran = False  # its backward touched at least one node
+        self.compressed = False  # its forward quantized at least one tensor
         self.seconds = 0.0  # wall time spent inside the probe
         # squared norm of the parameter gradient of the probed backward, summed on the device
         # (read once, by `grad_sq`)

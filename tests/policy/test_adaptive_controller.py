@@ -319,3 +319,31 @@ def test_no_alert_on_a_healthy_run_that_converges(cora):
     history = ctl.adapter.history
     assert any(h["share"] > 0.5 for h in history)  # what the alert used to read
     assert all(h["noise_share"] < 0.5 for h in history[1:])
+
+
+def test_a_forward_that_quantizes_nothing_is_not_probed_every_step(monkeypatch):
+    """Every tensor under the size floor (a small graph on a GPU): nothing to estimate, so the
+    probe must not hook each step's graph; it looks again on the doubling schedule."""
+    from gact_graph.policy import probe_hooks
+
+    hooked_steps = []
+    after_forward = probe_hooks.ProbeHooks._after_forward
+
+    def counting(self, module, args, output):
+        if not self.hooked:
+            hooked_steps.append(self.ctl.step)
+        return after_forward(self, module, args, output)
+
+    monkeypatch.setattr(probe_hooks.ProbeHooks, "_after_forward", counting)
+    data = _graph()
+    model = _model()
+    ctl = compress_gnn(model, bits=2, adaptive=True, min_numel=10**9)
+    _train(model, ctl, data, 20)
+    assert not _quantized(ctl)
+    assert hooked_steps == [0, 2, 6, 14]  # was every step
+    # a graph whose tensors do pass the floor is still probed and planned
+    model = _model()
+    ctl = compress_gnn(model, bits=2, adaptive=True, min_numel=256)
+    hooked_steps.clear()
+    _train(model, ctl, data, 4)
+    assert hooked_steps[:2] == [0, 1] and ctl.plan
