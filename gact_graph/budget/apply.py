@@ -936,6 +936,24 @@ class BudgetPlanner:
         if earlier is not None:
             least = min(least, earlier[0])
         least_budget = _named(least)  # what a rerun, measuring again, admits
+        if whole is not None and whole > self.budget:
+            # the profile step itself held more than the budget by the meter in use (its
+            # probe, its adjacency build): admitting would leave a step of this run over it,
+            # and a rerun's profile step holds as much again
+            raise BudgetError(
+                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: the "
+                f"profile step (every saved tensor at 1 bit, {self._what()}, the sensitivity "
+                f"probe and the graph's one-time work included) held {format_bytes(whole)} "
+                f"({self.METERS[self.meter]}); the smallest feasible budget is "
+                f"{format_bytes(least_budget)}"
+                + (
+                    "; budget_recompute=True profiles with every segment recomputed from the "
+                    "first step, which may hold less"
+                    if self._may_recompute_next()
+                    else ""
+                ),
+                least_budget,
+            )
         if plan is None:
             least_bound, _ = smallest_memory(units, cap_var)
             need_bound = (rest + fixed + transient + correction + least_bound) / (1 - self.margin)
