@@ -20,7 +20,7 @@ from gact_graph.budget import (
     BudgetError,
     BudgetPlanner,
 )
-from gact_graph.budget.apply import _named
+from gact_graph.budget.errors import named_budget as _named
 from gact_graph.budget.profile import LiveBytes, StepMeter
 from gact_graph.config import CompressionConfig, format_bytes, parse_bytes
 from gact_graph.models import build_model
