@@ -363,8 +363,7 @@ class BudgetPlanner:
     def _on_segment(self, event: str, segment, store, seconds: float) -> None:
         if self._phase is None or is_lean():
             # the sensitivity probe's partial backwards recompute segments too: their tensors,
-            # times and rises are not the step's (counted, they made a GAT layer's recompute
-            # look up to 9x slower and its saved tensors 9x larger)
+            # times and rises are not the step's
             return
         if event == "forward":
             self._meta.setdefault(segment.path, []).extend(segment.meta)
@@ -456,8 +455,7 @@ class BudgetPlanner:
     def _explain_out_of_memory(self, exc: BaseException | None) -> None:
         """A profile step's forward that runs out of device memory never reaches the lower
         bound's check: the out-of-memory error (which a forward hook cannot replace) gets a
-        note that names the budget and what the step held when it failed (an ogbn-products-
-        size GAT at 64 per head failed so while building its adjacency, H200, 16 GiB)."""
+        note that names the budget and what the step held when it failed."""
         if not isinstance(exc, torch.OutOfMemoryError) or not hasattr(exc, "add_note"):
             return
         held = self._meter.peak() if self._meter is not None else None
@@ -509,10 +507,9 @@ class BudgetPlanner:
         backward either way.
 
         The bound refuses nothing by itself: a refusal names a budget at which a rerun is
-        admitted, and only the finished profile step measures that (a bound from shapes named
-        15.32 MiB for PyG's GCN on Cora, whose least admitted budget is about 47 MiB). The
-        step runs to its end at the least setting and the refusal comes at ``ctl.iterate()``
-        with the measured figure. On CUDA, where the bound exceeds the device's whole memory
+        admitted, and only the finished profile step measures that. The step runs to its end
+        at the least setting and the refusal comes at ``ctl.iterate()`` with the measured
+        figure. On CUDA, where the bound exceeds the device's whole memory
         (the profile step cannot run), it raises here, naming the bound as a bound."""
         every = self._records()
         tensors = every
@@ -596,9 +593,7 @@ class BudgetPlanner:
                 # a later step starts with what earlier steps left alive (the ledger: the
                 # optimizer state, PyG's per-layer cached graphs of ``cached=True``) and what
                 # this one created after its peak; a later profile step (a new shape, a
-                # recompute profile) does not create the former again (once it was left out
-                # there: 32 GCN2Conv layers' own caches, 28 MiB, were missing from the plan a
-                # recompute profile made, and its planned steps held 26 MiB over the prediction)
+                # recompute profile) does not create the former again, yet starts with it
                 self._carried = carried_at_start + live.created_after_peak()
                 for key, (ref, nbytes, _, _) in live._live.items():
                     if not ref.expired():
@@ -629,9 +624,7 @@ class BudgetPlanner:
                 if now is not None and alive_all is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
                     # (the C allocator's retained chunks): later steps start with it, the
-                    # first did not (64-layer GCNII, 8,000 nodes: 16 MiB at rest after
-                    # the profile step, whose own peak held 2.4 MiB beyond its tensors;
-                    # the planned steps then held 13 MiB beyond theirs)
+                    # first did not
                     retained = now - self._base - self._static - alive_all
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
@@ -721,8 +714,8 @@ class BudgetPlanner:
     def _pause_probes(self) -> None:
         """Stop the adaptive allocator's sensitivity probes once a plan is in force: the plan
         decides every tensor's bits, so a later estimate would change nothing, and a probe
-        step holds more than a planned one (GCNII-64, 1,500 nodes: 58.6 vs 27.0 MB RSS) and
-        runs ~5x longer. The profile step's own probe supplied the sensitivities."""
+        step holds more than a planned one and runs several times longer. The profile step's
+        own probe supplied the sensitivities."""
         adapter = self.ctl.adapter
         if adapter is not None and hasattr(adapter, "next_estimate"):
             adapter.next_estimate = sys.maxsize
@@ -817,7 +810,7 @@ class BudgetPlanner:
                 # the profile step's setting just ran within the budget; a plan predicted to
                 # hold no more than it (same terms, no margin: only the plans' difference is
                 # predicted) is as safe, and may be much faster: on small graphs recomputing
-                # every segment holds more than it saves (GCN 8,000 nodes: 1.2x the step time)
+                # every segment holds more than it saves
                 relaxed, units = "profile", loose
                 ran = Plan({u.name: self._profile_option(u) for u in loose}, "profile")
                 profile_memory = ran.memory
