@@ -153,10 +153,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fraction", type=float, default=0.30)
-    ap.add_argument("--budget-mib", type=float, default=None,
-                    help="the budget in MiB (default: --fraction of stock's worst step)")
-    ap.add_argument("--only-budget", action="store_true",
-                    help="run the planner alone (with --budget-mib), no baselines")
+    ap.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="the budget in MiB (default: --fraction of stock's worst step)",
+    )
+    ap.add_argument(
+        "--only-budget",
+        action="store_true",
+        help="run the planner alone (with --budget-mib), no baselines",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -176,7 +183,7 @@ def main() -> None:
     runs["budget"] = _run(args, {"memory_budget": budget})
     if runs["budget"].get("refused"):
         runs["rerun"] = _run(args, {"memory_budget": runs["budget"]["least_budget"]})
-    fixed1 = max(runs["fixed1"]["peaks"]) if "fixed1" in runs else float("nan")
+    fixed1 = max(runs["fixed1"]["peaks"]) if "fixed1" in runs else None
     print(f"\nbudget {_mib(budget)} MiB")
     for key in ("budget", "rerun"):
         r = runs.get(key)
@@ -187,8 +194,13 @@ def main() -> None:
         by_step = max(r["peaks"]) <= b
         print(
             f"{key}: admitted at {_mib(b)} MiB ({r['relaxed'] or 'within the accuracy bound'}); "
-            f"profile step {_mib(r['peaks'][0])} MiB = {r['peaks'][0] / fixed1:.2f}x fixed 1 "
-            f"bit's worst ({_mib(fixed1)}); met in every step: planner's meter {by_meter}, "
+            f"profile step {_mib(r['peaks'][0])} MiB"
+            + (
+                ""
+                if fixed1 is None
+                else f" = {r['peaks'][0] / fixed1:.2f}x fixed 1 bit's worst ({_mib(fixed1)})"
+            )
+            + f"; met in every step: planner's meter {by_meter}, "
             f"resident set above each step's start {by_step}"
         )
     if args.json:
