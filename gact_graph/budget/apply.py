@@ -64,7 +64,10 @@ margin, over both profiles where two ran, but at least the peak of every profile
 runs before it is admitted, its probe and adjacency build included; plus 2 % and 512 KiB,
 `NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures
 its own profile step, is admitted and met in every step), at the ``ctl.iterate()`` of the last
-profile step. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
+profile step. A profile step whose own peak by the meter in use (its probe and the graph's
+one-time work included) exceeds the budget is refused at that ``ctl.iterate()``, with no
+recompute profile after it: an admitted budget covers every step, the profile step
+included. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
 tensor dequantized, the parameters' gradients) refuses nothing by itself, since a rerun at a
 bound is not admitted; only on CUDA, where it exceeds the device's whole memory, does it raise
 (``exact=False``, named as a bound).
