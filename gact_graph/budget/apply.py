@@ -114,6 +114,7 @@ from gact_graph.budget.profile import (
 from gact_graph.budget.rectifier import replan
 from gact_graph.budget.report import METERS, budget_report
 from gact_graph.budget.state import PlanState, SizeClasses
+from gact_graph.budget.units import build_units
 from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
@@ -133,8 +134,6 @@ __all__ = [
 
 #: Share of the budget kept free for what the prediction misses.
 DEFAULT_MARGIN = 0.1
-#: Payloads below this many bytes are never swapped (copies cost more than they free).
-_SWAP_MIN_BYTES = 1 << 16
 
 
 class BudgetPlanner:
@@ -899,73 +898,18 @@ class BudgetPlanner:
         )
         return sum(c[t.name] * S(b) for t, b in zip(known, bits))
 
-    def _bytes(self, t: TensorInfo, bits: int) -> int:
-        return t.orig_bytes if bits >= 32 else compressed_bytes(t.shape, bits, self.group_size)
-
-    def _ladder(self, known: bool) -> list[int]:
-        if self.lossless:
-            return [32]
-        floor = min(FIXED_BITS) if known else self.default_bits
-        return [b for b in FIXED_BITS if b >= floor] + [32]
-
     def _units(self, tensors: list[TensorInfo], relaxed: bool) -> tuple[list[Unit], int]:
-        """The units and the bytes no option changes; ``relaxed``: every unit may go down to
-        1 bit (what the accuracy bound forbids for tensors without an estimate)."""
-        c = self._sensitivities()
-        timer = self._timer
-        fixed = 0
-        units: list[Unit] = []
-        seg_inputs: dict[str, list[TensorInfo]] = {s: [] for s in self.segments}
-        fixed += sum(self._shared.values())
-        for t in tensors:
-            if self._in_segment(t):  # saved by (for) this segment alone
-                seg_inputs[self._segment_of(t.name.rsplit("#", 1)[0])].append(t)
-                continue
-            if not t.quantizable:
-                fixed += t.fixed_bytes
-                continue
-            options = []
-            for b in self._ladder(relaxed or t.name in c):
-                mode = "keep" if b >= 32 else "compress"
-                sec = timer.seconds(t.shape, b)
-                var = c.get(t.name, 0.0) * S(b)
-                options.append(Option(mode, b, self._bytes(t, b), 0, sec, var))
-                held = self._bytes(t, b)
-                if self.swap is not None and b < 32 and held >= _SWAP_MIN_BYTES:
-                    options.append(Option("swap", b, 0, held, sec, var))
-            units.append(Unit(t.name, "tensor", options, t.orig_bytes))
-        for seg in self.segments:
-            ins, inner = seg_inputs[seg], self._inner.get(seg, [])
-            if not ins and not inner:
-                continue
-            q_in = [t for t in ins if t.quantizable]
-            q_inner = [t for t in inner if t.quantizable]
-            fixed_in = sum(t.fixed_bytes for t in ins)
-            fixed_inner = sum(t.fixed_bytes for t in inner)
-            again = self._referenced.get(seg, set())
-            low = 32 if self.lossless else min(FIXED_BITS)  # the profile step's width
-            known = bool(q_in) and not q_inner and all(t.name in c for t in q_in)
-            options = []
-            for b in self._ladder(relaxed or known):
-                held_in = sum(self._bytes(t, b) for t in q_in) + fixed_in
-                held_inner = sum(self._bytes(t, b) for t in q_inner) + fixed_inner
-                held_again = sum(self._bytes(t, b) for t in ins if t.name in again)
-                sec = sum(timer.seconds(t.shape, b) for t in q_in + q_inner)
-                var = sum(c.get(t.name, 0.0) * S(b) for t in q_in)
-                mode = "keep" if b >= 32 else "compress"
-                if seg not in self._recompute_seconds:  # not recomputed: what it saved is all
-                    held_inner, held_again = 0, held_in
-                options.append(Option(mode, b, held_inner + held_again, 0, sec, var))
-                if seg in self._recompute_seconds:
-                    redo = self._recompute_seconds[seg]
-                    rise = held_inner
-                    if seg in self._recompute_rise:  # measured: inputs restored, fp32 inside
-                        profiled = sum(self._bytes(t, low) for t in q_inner) + fixed_inner
-                        rise = max(held_inner, self._recompute_rise[seg] - profiled + held_inner)
-                    options.append(Option("recompute", b, held_in, rise, sec + redo, var))
-            orig = sum(t.orig_bytes for t in ins + inner)
-            units.append(Unit(seg, "segment", options, orig))
-        return units, fixed
+        """The units and the bytes no option changes (`build_units`); ``relaxed``: every unit
+        may go down to 1 bit (what the accuracy bound forbids for tensors without an
+        estimate)."""
+        return build_units(
+            tensors, relaxed, c=self._sensitivities(), timer=self._timer, swap=self.swap,
+            segments=self.segments, segment_of=self._segment_of, in_segment=self._in_segment,
+            inner_of=self._inner, referenced=self._referenced,
+            recompute_seconds=self._recompute_seconds, recompute_rise=self._recompute_rise,
+            shared=self._shared, lossless=self.lossless, default_bits=self.default_bits,
+            group_size=self.group_size,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- report
     def report(self) -> str:
