@@ -64,7 +64,10 @@ margin, over both profiles where two ran, but at least the peak of every profile
 runs before it is admitted, its probe and adjacency build included; plus 2 % and 512 KiB,
 `NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures
 its own profile step, is admitted and met in every step), at the ``ctl.iterate()`` of the last
-profile step. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
+profile step. A profile step whose own peak by the meter in use (its probe and the graph's
+one-time work included) exceeds the budget is refused at that ``ctl.iterate()``, with no
+recompute profile after it: an admitted budget covers every step, the profile step
+included. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
 tensor dequantized, the parameters' gradients) refuses nothing by itself, since a rerun at a
 bound is not admitted; only on CUDA, where it exceeds the device's whole memory, does it raise
 (``exact=False``, named as a bound).
@@ -87,11 +90,11 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError, named_budget
 from gact_graph.budget.planner import (
     Option,
     Plan,
@@ -108,6 +111,10 @@ from gact_graph.budget.profile import (
     TensorInfo,
     compressed_bytes,
 )
+from gact_graph.budget.rectifier import replan
+from gact_graph.budget.report import METERS, budget_report
+from gact_graph.budget.state import PlanState, SizeClasses
+from gact_graph.budget.units import build_units
 from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
@@ -127,90 +134,6 @@ __all__ = [
 
 #: Share of the budget kept free for what the prediction misses.
 DEFAULT_MARGIN = 0.1
-#: Payloads below this many bytes are never swapped (copies cost more than they free).
-_SWAP_MIN_BYTES = 1 << 16
-#: A refusal names the least budget this profile admits plus this share and `NAMED_SLACK_BYTES`:
-#: a rerun measures its own profile step, and what identical processes measure varies (CPU
-#: resident set: GCNII-64 on 1,000 nodes named 11.87 MiB, a rerun at exactly that measured
-#: 11.91 and was refused; with 2 % alone, GCNII-8 on 4,000 nodes named 9.5 MiB, a rerun was
-#: admitted and then held 9.7)
-NAMED_SLACK = 0.02
-NAMED_SLACK_BYTES = 1 << 19
-
-
-def _named(least: float) -> int:
-    """The budget a refusal names for a least admitted budget of ``least`` bytes."""
-    return math.ceil(least * (1 + NAMED_SLACK)) + NAMED_SLACK_BYTES
-
-
-class BudgetError(ValueError):
-    """The memory budget cannot be met by any plan. ``least_budget``: the smallest feasible
-    budget in bytes that the message names; ``exact``: whether the planner admits it (False:
-    a lower bound, where the message says "at least", from the forward's shapes alone)."""
-
-    def __init__(
-        self, message: str, least_budget: int | None = None, exact: bool = True
-    ) -> None:
-        super().__init__(message)
-        self.least_budget = least_budget
-        self.exact = exact
-
-
-@dataclass
-class _Profile:
-    """What one profile step measured."""
-
-    rest: int
-    tensors: list[TensorInfo]
-    inner: dict[str, list[TensorInfo]]
-    recompute_seconds: dict[str, float]
-    stored: int
-    recomputed_peak: int
-    transient: int = 0
-
-
-@dataclass
-class PlanState:
-    """The plan in force for one input shape, and what it predicts."""
-
-    signature: tuple
-    plan: Plan
-    units: list[Unit]
-    rest: int
-    fixed: int
-    transient: int
-    variance_cap: float | None
-    profile_step: int
-    recompute: set[str] = field(default_factory=set)
-    swap: set[str] = field(default_factory=set)
-    #: what the profile step measured (CUDA: max allocated; CPU: ``rest`` + peak live bytes)
-    profile_peak: int | None = None
-    #: the smallest budget this profile admits (what `BudgetError` would name)
-    least_budget: int = 0
-    #: "" (the plan meets the accuracy bound), "relaxed" (below it: 1 bit allowed everywhere,
-    #: no variance cap), "profile" (admitted by the profile step's measurement: its own
-    #: setting, or a plan predicted to hold no more than it)
-    relaxed: str = ""
-    #: the bound the profile step's forward checked (at most ``profile_peak``)
-    lower_bound: int = 0
-    #: bytes planned steps measured beyond the prediction (the rectifier's term; 0 until a
-    #: planned step exceeded the budget)
-    correction: int = 0
-    #: how often the rectifier re-planned
-    rectified: int = 0
-    #: ``plan.memory`` of the profile step's own setting (``relaxed == "profile"``)
-    profile_memory: int = 0
-    #: the profile step's own peak, its probe and adjacency build included (what a rerun's
-    #: profile step holds again; CUDA: ``profile_peak``; CPU: the larger of the counted peak
-    #: and, where trusted, the resident set's)
-    profile_whole: int | None = None
-
-    @property
-    def predicted(self) -> int:
-        if self.relaxed == "profile" and self.profile_peak is not None:
-            # measured, less what the plan is predicted to hold below the setting that ran
-            return self.profile_peak - (self.profile_memory - self.plan.memory)
-        return self.rest + self.fixed + self.plan.memory + self.transient + self.correction
 
 
 class BudgetPlanner:
@@ -252,8 +175,7 @@ class BudgetPlanner:
         self.swap: SwapManager | None = None
         self._swap_checked = False
         self.plans: dict[tuple, PlanState] = {}
-        #: per input structure (shapes less their leading sizes), the size classes' plans
-        self.classes: dict[tuple, list[PlanState]] = {}
+        self.size_classes = SizeClasses()
         self._scale = 1.0
         self.plan_state: PlanState | None = None
         #: input shapes whose first profile step (nothing recomputed) found no plan: their
@@ -404,55 +326,21 @@ class BudgetPlanner:
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
 
-    @staticmethod
-    def _structure(signature: tuple) -> tuple:
-        """A signature less its sizes (node, edge, batch counts): inputs that differ only
-        there (mini-batches) share a structure."""
-        return tuple((len(shape), dtype, dev) for shape, dtype, dev in signature)
-
-    @staticmethod
-    def _sizes(signature: tuple) -> tuple[int, ...]:
-        return tuple(n for shape, _, _ in signature for n in shape)
-
     def _size_class(self, signature: tuple) -> tuple[PlanState | None, float]:
-        """The plan of a size class this input shape falls in, and by how much its sizes
-        exceed the profiled ones (1.0: not at all): what saved tensors, the transient and
-        the adjacency hold scales with the node and edge counts, so a plan profiled on a
-        batch holds at most that ratio more on another of its structure. A class admits a
-        shape whose scaled prediction still fits the budget (with the margin, or, for a
-        plan admitted by the profile step's measurement, within the budget); otherwise the
-        shape leaves every class and profiles a new one. The plan least predicted to hold
-        is taken; (None, 1.0) where none admits it."""
-        classes = self.classes.get(self._structure(signature), [])
-        sizes = self._sizes(signature)
-        best = None
-        for state in classes:
-            ref = self._sizes(state.signature)
-            scale = max(
-                [1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r]
-            )  # fmt: skip
-            if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
-                continue
-            held = state.rest + (state.predicted - state.rest) * scale
-            usable = self.budget if state.relaxed else self.budget * (1 - self.margin)
-            if scale > 1.0 and held > usable:
-                continue
-            if best is None or held < best[0]:
-                best = (held, state, scale)
-        if best is None:
-            return None, 1.0
-        classes.remove(best[1])  # most recently used last
-        classes.append(best[1])
-        return best[1], best[2]
+        """The plan of a size class ``signature`` falls in, and its sizes' scale
+        (`SizeClasses.find`)."""
+        return self.size_classes.find(signature, self.budget, self.margin)
 
     def _add_class(self, state: PlanState) -> None:
-        """Keep ``state`` as a size class of its structure; at most `MAX_CLASSES` per
-        structure (the least recently used goes, with its exact-shape entry)."""
-        classes = self.classes.setdefault(self._structure(state.signature), [])
-        classes.append(state)
-        while len(classes) > self.MAX_CLASSES:
-            gone = classes.pop(0)
+        """Keep ``state`` as a size class of its structure; a plan dropped to keep at most
+        `MAX_CLASSES` goes with its exact-shape entry."""
+        for gone in self.size_classes.add(state, self.MAX_CLASSES):
             self.plans = {k: v for k, v in self.plans.items() if v is not gone}
+
+    @property
+    def classes(self) -> dict[tuple, list[PlanState]]:
+        """Per input structure, its size classes' plans (`SizeClasses`)."""
+        return self.size_classes.classes
 
     #: plans kept per input structure (mini-batches whose sizes leave every class re-profile)
     MAX_CLASSES = 8
@@ -477,8 +365,7 @@ class BudgetPlanner:
     def _on_segment(self, event: str, segment, store, seconds: float) -> None:
         if self._phase is None or is_lean():
             # the sensitivity probe's partial backwards recompute segments too: their tensors,
-            # times and rises are not the step's (counted, they made a GAT layer's recompute
-            # look up to 9x slower and its saved tensors 9x larger)
+            # times and rises are not the step's
             return
         if event == "forward":
             self._meta.setdefault(segment.path, []).extend(segment.meta)
@@ -549,12 +436,7 @@ class BudgetPlanner:
             return "rss"
         return "bytes"
 
-    METERS = {
-        "cuda": "CUDA max_memory_allocated",
-        "rss": "anonymous resident set above the process before training",
-        "bytes": "tensor bytes counted at every op (parameters, inputs and what steps left "
-        "alive included)",
-    }
+    METERS = METERS
 
     def _after_forward(self, module, args, output) -> None:
         if self._phase is None or is_lean():
@@ -575,8 +457,7 @@ class BudgetPlanner:
     def _explain_out_of_memory(self, exc: BaseException | None) -> None:
         """A profile step's forward that runs out of device memory never reaches the lower
         bound's check: the out-of-memory error (which a forward hook cannot replace) gets a
-        note that names the budget and what the step held when it failed (an ogbn-products-
-        size GAT at 64 per head failed so while building its adjacency, H200, 16 GiB)."""
+        note that names the budget and what the step held when it failed."""
         if not isinstance(exc, torch.OutOfMemoryError) or not hasattr(exc, "add_note"):
             return
         held = self._meter.peak() if self._meter is not None else None
@@ -628,10 +509,9 @@ class BudgetPlanner:
         backward either way.
 
         The bound refuses nothing by itself: a refusal names a budget at which a rerun is
-        admitted, and only the finished profile step measures that (a bound from shapes named
-        15.32 MiB for PyG's GCN on Cora, whose least admitted budget is about 47 MiB). The
-        step runs to its end at the least setting and the refusal comes at ``ctl.iterate()``
-        with the measured figure. On CUDA, where the bound exceeds the device's whole memory
+        admitted, and only the finished profile step measures that. The step runs to its end
+        at the least setting and the refusal comes at ``ctl.iterate()`` with the measured
+        figure. On CUDA, where the bound exceeds the device's whole memory
         (the profile step cannot run), it raises here, naming the bound as a bound."""
         every = self._records()
         tensors = every
@@ -715,9 +595,7 @@ class BudgetPlanner:
                 # a later step starts with what earlier steps left alive (the ledger: the
                 # optimizer state, PyG's per-layer cached graphs of ``cached=True``) and what
                 # this one created after its peak; a later profile step (a new shape, a
-                # recompute profile) does not create the former again (once it was left out
-                # there: 32 GCN2Conv layers' own caches, 28 MiB, were missing from the plan a
-                # recompute profile made, and its planned steps held 26 MiB over the prediction)
+                # recompute profile) does not create the former again, yet starts with it
                 self._carried = carried_at_start + live.created_after_peak()
                 for key, (ref, nbytes, _, _) in live._live.items():
                     if not ref.expired():
@@ -748,9 +626,7 @@ class BudgetPlanner:
                 if now is not None and alive_all is not None and self._base is not None:
                     # what the resident set keeps between steps beyond every live tensor
                     # (the C allocator's retained chunks): later steps start with it, the
-                    # first did not (64-layer GCNII, 8,000 nodes: 16 MiB at rest after
-                    # the profile step, whose own peak held 2.4 MiB beyond its tensors;
-                    # the planned steps then held 13 MiB beyond theirs)
+                    # first did not
                     retained = now - self._base - self._static - alive_all
                     correction = max(correction, retained)
                 profile_peak += correction  # at least the measured peak less probe and build
@@ -833,44 +709,15 @@ class BudgetPlanner:
         return self.meter in ("cuda", "rss")
 
     def _rectify(self, state: PlanState, measured: int) -> None:
-        """A planned step measured ``measured`` bytes, above the budget: add the miss to the
-        prediction and re-solve (under the accuracy bound, else without it, else the least
-        plan); the plan takes effect at the next step."""
-        before = state.predicted
-        miss = measured - (before - state.correction)
-        state.correction = max(state.correction, miss)
-        state.rectified += 1
-        usable = self.budget * (1 - self.margin)
-        free = usable - state.rest - state.fixed - state.transient - state.correction
-        plan, how = None, "re-planned"
-        if free >= 0:
-            plan = solve_plan(state.units, free, state.variance_cap)
-            if plan is None and state.variance_cap is not None:
-                plan = solve_plan(state.units, free, None)
-                how = "re-planned below the accuracy bound"
-        if plan is None:
-            least, _ = smallest_memory(state.units, None)
-            plan, how = solve_plan(state.units, least, None), "took the least plan"
-        state.plan = plan
-        if state.relaxed == "profile":  # its figure was the profile step's; now a prediction
-            state.relaxed = "relaxed"
-        state.recompute = {n for n, o in plan.choice.items() if o.mode == "recompute"}
-        state.swap = {n for n, o in plan.choice.items() if o.mode == "swap"}
-        over = state.predicted > usable
-        warnings.warn(
-            f"gact_graph: memory_budget={format_bytes(self.budget)}: step {self.ctl.step} "
-            f"measured {format_bytes(measured)} against a predicted {format_bytes(before)}; "
-            f"{how} with the miss ({format_bytes(state.correction)}) added, now predicting "
-            f"{format_bytes(state.predicted)}"
-            + (": still above the budget less its margin" if over else ""),
-            stacklevel=2,
-        )
+        """A planned step measured ``measured`` bytes, above the budget: re-plan
+        (`gact_graph.budget.rectifier.replan`); the plan takes effect at the next step."""
+        replan(state, measured, self.budget, self.margin, self.ctl.step)
 
     def _pause_probes(self) -> None:
         """Stop the adaptive allocator's sensitivity probes once a plan is in force: the plan
         decides every tensor's bits, so a later estimate would change nothing, and a probe
-        step holds more than a planned one (GCNII-64, 1,500 nodes: 58.6 vs 27.0 MB RSS) and
-        runs ~5x longer. The profile step's own probe supplied the sensitivities."""
+        step holds more than a planned one and runs several times longer. The profile step's
+        own probe supplied the sensitivities."""
         adapter = self.ctl.adapter
         if adapter is not None and hasattr(adapter, "next_estimate"):
             adapter.next_estimate = sys.maxsize
@@ -935,7 +782,25 @@ class BudgetPlanner:
         least = max(least, runs_again)
         if earlier is not None:
             least = min(least, earlier[0])
-        least_budget = _named(least)  # what a rerun, measuring again, admits
+        least_budget = named_budget(least)  # what a rerun, measuring again, admits
+        if whole is not None and whole > self.budget:
+            # the profile step itself held more than the budget by the meter in use (its
+            # probe, its adjacency build): admitting would leave a step of this run over it,
+            # and a rerun's profile step holds as much again
+            raise BudgetError(
+                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: the "
+                f"profile step (every saved tensor at 1 bit, {self._what()}, the sensitivity "
+                f"probe and the graph's one-time work included) held {format_bytes(whole)} "
+                f"({self.METERS[self.meter]}); the smallest feasible budget is "
+                f"{format_bytes(least_budget)}"
+                + (
+                    "; budget_recompute=True profiles with every segment recomputed from the "
+                    "first step, which may hold less"
+                    if self._may_recompute_next()
+                    else ""
+                ),
+                least_budget,
+            )
         if plan is None:
             least_bound, _ = smallest_memory(units, cap_var)
             need_bound = (rest + fixed + transient + correction + least_bound) / (1 - self.margin)
@@ -947,7 +812,7 @@ class BudgetPlanner:
                 # the profile step's setting just ran within the budget; a plan predicted to
                 # hold no more than it (same terms, no margin: only the plans' difference is
                 # predicted) is as safe, and may be much faster: on small graphs recomputing
-                # every segment holds more than it saves (GCN 8,000 nodes: 1.2x the step time)
+                # every segment holds more than it saves
                 relaxed, units = "profile", loose
                 ran = Plan({u.name: self._profile_option(u) for u in loose}, "profile")
                 profile_memory = ran.memory
@@ -1033,143 +898,23 @@ class BudgetPlanner:
         )
         return sum(c[t.name] * S(b) for t, b in zip(known, bits))
 
-    def _bytes(self, t: TensorInfo, bits: int) -> int:
-        return t.orig_bytes if bits >= 32 else compressed_bytes(t.shape, bits, self.group_size)
-
-    def _ladder(self, known: bool) -> list[int]:
-        if self.lossless:
-            return [32]
-        floor = min(FIXED_BITS) if known else self.default_bits
-        return [b for b in FIXED_BITS if b >= floor] + [32]
-
     def _units(self, tensors: list[TensorInfo], relaxed: bool) -> tuple[list[Unit], int]:
-        """The units and the bytes no option changes; ``relaxed``: every unit may go down to
-        1 bit (what the accuracy bound forbids for tensors without an estimate)."""
-        c = self._sensitivities()
-        timer = self._timer
-        fixed = 0
-        units: list[Unit] = []
-        seg_inputs: dict[str, list[TensorInfo]] = {s: [] for s in self.segments}
-        fixed += sum(self._shared.values())
-        for t in tensors:
-            if self._in_segment(t):  # saved by (for) this segment alone
-                seg_inputs[self._segment_of(t.name.rsplit("#", 1)[0])].append(t)
-                continue
-            if not t.quantizable:
-                fixed += t.fixed_bytes
-                continue
-            options = []
-            for b in self._ladder(relaxed or t.name in c):
-                mode = "keep" if b >= 32 else "compress"
-                sec = timer.seconds(t.shape, b)
-                var = c.get(t.name, 0.0) * S(b)
-                options.append(Option(mode, b, self._bytes(t, b), 0, sec, var))
-                held = self._bytes(t, b)
-                if self.swap is not None and b < 32 and held >= _SWAP_MIN_BYTES:
-                    options.append(Option("swap", b, 0, held, sec, var))
-            units.append(Unit(t.name, "tensor", options, t.orig_bytes))
-        for seg in self.segments:
-            ins, inner = seg_inputs[seg], self._inner.get(seg, [])
-            if not ins and not inner:
-                continue
-            q_in = [t for t in ins if t.quantizable]
-            q_inner = [t for t in inner if t.quantizable]
-            fixed_in = sum(t.fixed_bytes for t in ins)
-            fixed_inner = sum(t.fixed_bytes for t in inner)
-            again = self._referenced.get(seg, set())
-            low = 32 if self.lossless else min(FIXED_BITS)  # the profile step's width
-            known = bool(q_in) and not q_inner and all(t.name in c for t in q_in)
-            options = []
-            for b in self._ladder(relaxed or known):
-                held_in = sum(self._bytes(t, b) for t in q_in) + fixed_in
-                held_inner = sum(self._bytes(t, b) for t in q_inner) + fixed_inner
-                held_again = sum(self._bytes(t, b) for t in ins if t.name in again)
-                sec = sum(timer.seconds(t.shape, b) for t in q_in + q_inner)
-                var = sum(c.get(t.name, 0.0) * S(b) for t in q_in)
-                mode = "keep" if b >= 32 else "compress"
-                if seg not in self._recompute_seconds:  # not recomputed: what it saved is all
-                    held_inner, held_again = 0, held_in
-                options.append(Option(mode, b, held_inner + held_again, 0, sec, var))
-                if seg in self._recompute_seconds:
-                    redo = self._recompute_seconds[seg]
-                    rise = held_inner
-                    if seg in self._recompute_rise:  # measured: inputs restored, fp32 inside
-                        profiled = sum(self._bytes(t, low) for t in q_inner) + fixed_inner
-                        rise = max(held_inner, self._recompute_rise[seg] - profiled + held_inner)
-                    options.append(Option("recompute", b, held_in, rise, sec + redo, var))
-            orig = sum(t.orig_bytes for t in ins + inner)
-            units.append(Unit(seg, "segment", options, orig))
-        return units, fixed
+        """The units and the bytes no option changes (`build_units`); ``relaxed``: every unit
+        may go down to 1 bit (what the accuracy bound forbids for tensors without an
+        estimate)."""
+        return build_units(
+            tensors, relaxed, c=self._sensitivities(), timer=self._timer, swap=self.swap,
+            segments=self.segments, segment_of=self._segment_of, in_segment=self._in_segment,
+            inner_of=self._inner, referenced=self._referenced,
+            recompute_seconds=self._recompute_seconds, recompute_rise=self._recompute_rise,
+            shared=self._shared, lossless=self.lossless, default_bits=self.default_bits,
+            group_size=self.group_size,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- report
     def report(self) -> str:
-        """The plan per unit and predicted vs measured peak per step."""
-        state = self.plan_state
-        lines = [
-            f"memory budget {format_bytes(self.budget)} (margin {self.margin:.0%}); judged by "
-            f"{self.METERS[self.meter]} ({self.meter})"
-        ]
-        if state is None:
-            lines.append("no plan yet: the first training step profiles")
-            return "\n".join(lines)
-        plan = state.plan
-        lines.append(
-            f"plan ({plan.solver}, profiled at step {state.profile_step}): predicted peak "
-            f"{format_bytes(state.predicted)} "
-            + ("(measured, less the plan's predicted saving) " if state.relaxed == "profile"
-               else "= ")
-            + f"rest {format_bytes(state.rest)} + fixed "
-            f"{format_bytes(state.fixed)} + plan {format_bytes(plan.memory)} + backward "
-            f"{format_bytes(state.transient)}"
-            + (f" + measured miss {format_bytes(state.correction)} (re-planned "
-               f"{state.rectified}x)" if state.correction else "")
-            + f"; added time {1e3 * plan.seconds:.2f} ms"
-            + ("" if state.variance_cap is None else f"; variance {plan.variance:.3g} "
-               f"<= {state.variance_cap:.3g}")
-        )  # fmt: skip
-        if state.relaxed == "profile":
-            lines.append(
-                "below the accuracy bound: admitted by the profile step's measured peak; the "
-                "plan is predicted to hold no more than that step's setting (the terms are the "
-                "planner's prediction of it)"
-            )
-        elif state.relaxed:
-            lines.append("below the accuracy bound: 1 bit allowed everywhere, no variance cap")
-        lines.append(
-            f"smallest feasible budget {format_bytes(state.least_budget)}; profile step "
-            f"measured {'-' if state.profile_peak is None else format_bytes(state.profile_peak)}"
-            + (
-                f" for later steps, {format_bytes(state.profile_whole)} itself (its probe and "
-                "adjacency build included)"
-                if state.profile_whole is not None and state.profile_whole != state.profile_peak
-                else ""
-            )
-        )
-        lines.append(f"{'unit':<40} {'kind':<8} {'choice':<16} {'orig MB':>9} {'held MB':>9}")
-        for u in state.units:
-            o = plan.choice[u.name]
-            lines.append(
-                f"{u.name:<40} {u.kind:<8} {o.label:<16} {u.orig_bytes / 2**20:>9.3f} "
-                f"{(o.resident + o.transient) / 2**20:>9.3f}"
-            )
-        lines.append(
-            f"{'step':>6} {'phase':<8} {'predicted':>12} {'measured':>12} {'meter':>6} "
-            f"{'resident':>12} {'accounted':>12}"
-        )
-
-        def fmt(v):
-            return "-" if v is None else format_bytes(v)
-
-        for h in self.history[-10:]:
-            over = h["measured"] is not None and h["measured"] > self.budget
-            lines.append(
-                f"{h['step']:>6} {h['phase']:<8} {fmt(h['predicted']):>12} "
-                f"{fmt(h['measured']):>12} {h.get('meter', '-'):>6} "
-                f"{fmt(h.get('resident')):>12} {format_bytes(h['accounted']):>12}"
-                + ("  over budget: re-planned" if h.get("rectified")
-                   else "  over budget" if over and h["phase"] == "planned" else "")
-            )  # fmt: skip
-        return "\n".join(lines)
+        """The plan per unit and predicted vs measured peak per step (`budget_report`)."""
+        return budget_report(self.budget, self.margin, self.meter, self.plan_state, self.history)
 
 
 def attach_budget(ctl: Controller) -> BudgetPlanner:

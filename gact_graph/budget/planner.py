@@ -124,9 +124,7 @@ def load_solver() -> bool:
     there. The budget planner calls it when it is attached, before any step: imported lazily
     at the first plan (the profile step's ``ctl.iterate()``), its libraries (~30 MiB of
     resident memory) came after the CPU meter's baseline and before every planned step, so
-    each planned step seemed to hold them (a 64-layer GCNII, 1,000 nodes, fresh process, 40
-    MiB budget: the first planned step measured 66.0 MiB against 35.9 predicted, and the
-    rectifier fell back to the least plan; imported first: 37.3)."""
+    each planned step seemed to hold them and the rectifier fell back to the least plan."""
     try:
         from scipy.optimize import milp  # noqa: F401
     except ImportError:
@@ -143,8 +141,7 @@ def _warm_solver() -> None:
     under a capacity and a variance cap, feasible and not; least time without a cap): the
     solver's code is paged in as it first runs, and the resident set keeps it. Left to the
     first profile step's plan, it came after that step's measurement and before every planned
-    step, whose resident set then held it (GCNII-8 at ogbn-products' statistics, 4,000 nodes,
-    16.9 MiB budget: planned steps 17.0-17.5 MiB; warmed at attach: 15.3-16.1). ~30 ms."""
+    step, whose resident set then held it."""
     global _WARMED
     if _WARMED:
         return

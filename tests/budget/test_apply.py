@@ -20,7 +20,7 @@ from gact_graph.budget import (
     BudgetError,
     BudgetPlanner,
 )
-from gact_graph.budget.apply import _named
+from gact_graph.budget.errors import named_budget as _named
 from gact_graph.budget.profile import LiveBytes, StepMeter
 from gact_graph.config import CompressionConfig, format_bytes, parse_bytes
 from gact_graph.models import build_model
@@ -135,7 +135,9 @@ def test_budget_is_respected_and_tighter_budget_compresses(least):
 def test_infeasible_budget_runs_the_profile_step_and_names_a_measured_figure():
     """A budget below the forward's lower bound is not refused from shapes alone (a bound
     cannot promise that a rerun at it is admitted): the profile steps run at the least
-    setting and the refusal names the figure they measured (``exact``)."""
+    setting and the refusal names the figure they measured (``exact``). A first profile step
+    that itself held more than the budget is refused at once: a recompute profile after it
+    cannot undo that step, and a rerun runs it again."""
     model = _model()
     x, ei, y = _graph(600)
     ctl = compress_gnn(model, memory_budget="100KiB")
@@ -143,7 +145,8 @@ def test_infeasible_budget_runs_the_profile_step_and_names_a_measured_figure():
     with pytest.raises(BudgetError, match=named) as e:
         _train(model, ctl, (x, ei, y), 3)
     assert e.value.exact
-    assert ctl.budget.profiles == 2  # without, then with recomputation
+    assert ctl.budget.profiles == 1  # no recompute profile after a step over the budget
+    assert "the profile step" in str(e.value) and "held" in str(e.value)
     assert 100 * 1024 < ctl.budget._lower_bound < e.value.least_budget
     # the profile step's live-bytes mode is off the dispatch stack (left there, it slowed
     # every later op of the process 10-30x, the rest of the test suite included)
@@ -202,9 +205,9 @@ def test_a_profile_forward_out_of_device_memory_says_what_the_budget_met():
     ctl.remove()
 
 
-def _refused(budget: int, steps: int = 2) -> tuple[BudgetError, BudgetPlanner]:
+def _refused(budget: int, steps: int = 2, **kw) -> tuple[BudgetError, BudgetPlanner]:
     model = _model()
-    ctl = compress_gnn(model, memory_budget=budget)
+    ctl = compress_gnn(model, memory_budget=budget, **kw)
     with pytest.raises(BudgetError) as info:
         _train(model, ctl, _graph(600), steps)
     ctl.remove()
@@ -223,26 +226,28 @@ def test_the_first_profile_step_recomputes_nothing(least):
     ctl.remove()
 
 
-def test_below_what_compressing_alone_needs_a_recompute_profile_decides(least):
-    # the least the first profile names is what it admits without recomputation; below it, a
-    # second profile step recomputes every segment, and the error names the lesser of both
+def test_below_what_the_first_profile_step_held_it_is_refused_at_once(least):
+    # the first profile step (nothing recomputed) held more than the budget: a recompute
+    # profile after it cannot undo that step, and a rerun runs it again, so the refusal comes
+    # at once, naming that step's figure and the setting that profiles recomputing
     budget = int(min(least[0], least[1].profile_peak) * 0.6)
     err, planner = _refused(budget, steps=3)
-    assert planner.profiles == 2 and planner._recomputing
-    assert [h["phase"] for h in planner.history] == ["profile"]  # the second raised
-    assert err.least_budget <= least[1].least_budget
-    assert "without recomputation" in str(err) and "every segment recomputed" in str(err)
-    assert f"smallest feasible budget is {format_bytes(err.least_budget)} " in str(err)
-    # below both profiles' own figures: refused again, naming the same
-    again, _ = _refused(budget, steps=3)
-    assert again.least_budget == err.least_budget and again.exact
+    assert planner.profiles == 1 and not planner._recomputing
+    assert err.exact and err.least_budget >= _named(least[1].profile_whole) * 0.99
+    assert "budget_recompute=True" in str(err)
+    assert f"smallest feasible budget is {format_bytes(err.least_budget)}" in str(err)
+    # with the first profile step recomputing every segment: refused naming its own figure
+    again, planner = _refused(budget, steps=3, budget_recompute=True)
+    assert planner.profiles == 1 and planner._recomputing and again.exact
+    assert "every segment recomputed" in str(again)
     # at it: admitted
     model = _model()
-    ctl = compress_gnn(model, memory_budget=err.least_budget)
+    ctl = compress_gnn(model, memory_budget=again.least_budget, budget_recompute=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train(model, ctl, _graph(600), 3)
-    assert ctl.budget.plan_state.predicted <= err.least_budget
+    assert ctl.budget.plan_state.predicted <= again.least_budget
+    assert all(h["measured"] <= again.least_budget for h in ctl.budget.history)
     ctl.remove()
 
 
@@ -518,8 +523,9 @@ def test_a_trusted_meter_counts_what_the_profile_step_held_beyond_its_tensors(le
     model = _model()
     ctl = compress_gnn(model, memory_budget=int(least[0]), budget_rectify=True)
     ended[:] = []
-    with pytest.raises(BudgetError, match="measured beyond the tensors"):
-        _train(model, ctl, _graph(600), 2)  # the second profile step recomputes
+    with pytest.raises(BudgetError, match=r"the profile step \(.*\) held") as refused:
+        _train(model, ctl, _graph(600), 2)  # the step held what the meter read
+    assert refused.value.least_budget >= _named(int(least[0]) + extra - 2**20)
     ctl.remove()
 
 
@@ -580,12 +586,15 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(
     counted nor, with the rectifier's trusted meter, in the correction from the measured peak
     (which is the whole step's). Counted in, a build holding 32 MiB raised every prediction
     by 32 MiB. The named least budget does count it: a rerun at that budget (a fresh process)
-    builds the adjacency again in its own profile step."""
+    builds the adjacency again in its own profile step; and a budget below what the profile
+    step held, build included, is refused."""
     from gact_graph.sparse import adjacency
 
     def run():
         model = _model()
-        ctl = compress_gnn(model, memory_budget=int(least[0] * 4), budget_rectify=trusted)
+        # above the build's 32 MiB: the profile step, build included, is within the budget
+        ctl = compress_gnn(model, memory_budget=int(least[0] * 4) + 40 * 2**20,
+                           budget_rectify=trusted)  # fmt: skip
         if trusted:  # the meter reads every counted byte, the build's included
             _fake_meter(monkeypatch, lambda: ctl.budget, extra=0)
         _train(model, ctl, _graph(600), 1)
@@ -608,3 +617,12 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(
     assert figures == plain[0]
     assert st.profile_whole >= 32 * 2**20 > plain[1].profile_whole  # the build's 32 MiB
     assert st.least_budget >= _named(st.profile_whole) > plain[1].least_budget
+    # below what the profile step held with the build: refused, naming a figure covering it
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=plain[1].least_budget, budget_rectify=trusted)
+    if trusted:
+        _fake_meter(monkeypatch, lambda: ctl.budget, extra=0)
+    with pytest.raises(BudgetError) as refused:
+        _train(model, ctl, _graph(600), 1)
+    ctl.remove()
+    assert refused.value.least_budget > st.profile_whole >= 32 * 2**20

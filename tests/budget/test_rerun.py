@@ -264,22 +264,52 @@ def test_the_profile_step_holds_no_more_than_the_fixed_one_bit_step(monkeypatch)
             assert counted <= h["predicted"] * 1.05, (peaks, planner.history)
 
 
+def test_a_budget_between_later_steps_and_the_profile_step_is_met_or_refused(monkeypatch):
+    """A budget just above what later steps at the profile step's setting hold, but below
+    the profile step's own peak (its probe and the graph's one-time work): either admitted
+    and met in every step, the profile step included, or refused naming a figure at which
+    a rerun is admitted and met in every step (once admitted, and the profile step held
+    more than the budget)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    _, planner = _counted_steps(1, memory_budget="1GiB")
+    st = planner.plan_state
+    assert st.profile_whole > st.profile_peak  # the profile step holds more than later steps
+    budget = (st.profile_peak + st.profile_whole) // 2
+
+    def met(budget, peaks, planner):
+        assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
+        for h, counted in zip(planner.history, peaks):  # a re-planning step included
+            assert h["measured"] <= budget and counted <= budget, (peaks, planner.history)
+
+    try:
+        peaks, planner = _counted_steps(4, memory_budget=budget)
+    except BudgetError as refused:
+        assert refused.exact and refused.least_budget > budget
+        budget = refused.least_budget
+        peaks, planner = _counted_steps(4, memory_budget=budget)  # the first retry
+    met(budget, peaks, planner)
+
+
 def test_a_budget_fixed_two_bits_meets_is_admitted_and_met(monkeypatch):
-    """5 % above what fixed 2 bits holds in every step: admitted (once refused: what the
-    probe keeps through the step, per-row counts of every saved matrix, was counted as what
-    later 1-bit steps hold), and every planned step within it, counted independently too."""
+    """5 % above what fixed 2 bits holds in every step: admitted and met in every step, the
+    profile step included, counted independently too; or, where the profile step (its
+    sensitivity probe) held more than that, refused naming a figure within 1.2x what fixed
+    1-bit steps hold, at which a rerun is admitted and met in every step. Which of the two
+    depends on what ran before in the process (the profile step counts 12.05-12.24 MiB,
+    `docs/results/budget.md`)."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed2, _ = _counted_steps(bits=2, adaptive=False)
-    # 5 %: the profile's figure for later 1-bit steps is 0.1-0.3 MiB above what fixed 1-bit
-    # steps hold (11.85-12.04 vs 11.77 MiB), depending on what ran before in the process
-    budget = int(max(fixed2) * 1.05)
-    peaks, planner = _counted_steps(4, memory_budget=budget)
-    assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
-    # the planned steps within it; the profile step (its probe) within 1.2x fixed 1 bit's
-    # steps, which is above this budget: a budget this tight is met from the first plan on
     fixed1, _ = _counted_steps(bits=1, adaptive=False)
+    budget = int(max(fixed2) * 1.05)
+    try:
+        peaks, planner = _counted_steps(4, memory_budget=budget)
+    except BudgetError as refused:
+        assert refused.exact and budget < refused.least_budget <= 1.2 * max(fixed1)
+        budget = refused.least_budget
+        peaks, planner = _counted_steps(4, memory_budget=budget)
+    assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
     assert peaks[0] <= 1.2 * max(fixed1)
-    for h, counted in zip(planner.history[1:], peaks[1:]):
+    for h, counted in zip(planner.history, peaks):
         assert h["measured"] <= budget and counted <= budget, (peaks, budget)
 
 

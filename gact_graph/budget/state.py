@@ -1,0 +1,115 @@
+"""The plan in force for one input shape (`PlanState`) and the size classes that let inputs
+of other sizes share it (`SizeClasses`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gact_graph.budget.planner import Plan, Unit
+
+__all__ = ["PlanState", "SizeClasses"]
+
+
+@dataclass
+class PlanState:
+    """The plan in force for one input shape, and what it predicts."""
+
+    signature: tuple
+    plan: Plan
+    units: list[Unit]
+    rest: int
+    fixed: int
+    transient: int
+    variance_cap: float | None
+    profile_step: int
+    recompute: set[str] = field(default_factory=set)
+    swap: set[str] = field(default_factory=set)
+    #: what the profile step measured (CUDA: max allocated; CPU: ``rest`` + peak live bytes)
+    profile_peak: int | None = None
+    #: the smallest budget this profile admits (what `BudgetError` would name)
+    least_budget: int = 0
+    #: "" (the plan meets the accuracy bound), "relaxed" (below it: 1 bit allowed everywhere,
+    #: no variance cap), "profile" (admitted by the profile step's measurement: its own
+    #: setting, or a plan predicted to hold no more than it)
+    relaxed: str = ""
+    #: the bound the profile step's forward checked (at most ``profile_peak``)
+    lower_bound: int = 0
+    #: bytes planned steps measured beyond the prediction (the rectifier's term; 0 until a
+    #: planned step exceeded the budget)
+    correction: int = 0
+    #: how often the rectifier re-planned
+    rectified: int = 0
+    #: ``plan.memory`` of the profile step's own setting (``relaxed == "profile"``)
+    profile_memory: int = 0
+    #: the profile step's own peak, its probe and adjacency build included (what a rerun's
+    #: profile step holds again; CUDA: ``profile_peak``; CPU: the larger of the counted peak
+    #: and, where trusted, the resident set's)
+    profile_whole: int | None = None
+
+    @property
+    def predicted(self) -> int:
+        if self.relaxed == "profile" and self.profile_peak is not None:
+            # measured, less what the plan is predicted to hold below the setting that ran
+            return self.profile_peak - (self.profile_memory - self.plan.memory)
+        return self.rest + self.fixed + self.plan.memory + self.transient + self.correction
+
+
+class SizeClasses:
+    """Plans shared by inputs that differ only in their sizes (mini-batches): per input
+    structure (shapes less their sizes), at most ``limit`` plans, the least recently used
+    dropped first."""
+
+    def __init__(self) -> None:
+        #: per input structure, its size classes' plans, the most recently used last
+        self.classes: dict[tuple, list[PlanState]] = {}
+
+    @staticmethod
+    def structure(signature: tuple) -> tuple:
+        """A signature less its sizes (node, edge, batch counts): inputs that differ only
+        there (mini-batches) share a structure."""
+        return tuple((len(shape), dtype, dev) for shape, dtype, dev in signature)
+
+    @staticmethod
+    def sizes(signature: tuple) -> tuple[int, ...]:
+        return tuple(n for shape, _, _ in signature for n in shape)
+
+    def find(self, signature: tuple, budget: int, margin: float) -> tuple[PlanState | None, float]:
+        """The plan of a size class this input shape falls in, and by how much its sizes
+        exceed the profiled ones (1.0: not at all): what saved tensors, the transient and
+        the adjacency hold scales with the node and edge counts, so a plan profiled on a
+        batch holds at most that ratio more on another of its structure. A class admits a
+        shape whose scaled prediction still fits the budget (with the margin, or, for a
+        plan admitted by the profile step's measurement, within the budget); otherwise the
+        shape leaves every class and profiles a new one. The plan least predicted to hold
+        is taken; (None, 1.0) where none admits it."""
+        classes = self.classes.get(self.structure(signature), [])
+        sizes = self.sizes(signature)
+        best = None
+        for state in classes:
+            ref = self.sizes(state.signature)
+            scale = max(
+                [1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r]
+            )  # fmt: skip
+            if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
+                continue
+            held = state.rest + (state.predicted - state.rest) * scale
+            usable = budget if state.relaxed else budget * (1 - margin)
+            if scale > 1.0 and held > usable:
+                continue
+            if best is None or held < best[0]:
+                best = (held, state, scale)
+        if best is None:
+            return None, 1.0
+        classes.remove(best[1])  # most recently used last
+        classes.append(best[1])
+        return best[1], best[2]
+
+    def add(self, state: PlanState, limit: int) -> list[PlanState]:
+        """Keep ``state`` as a size class of its structure; returns the plans dropped to keep
+        at most ``limit`` per structure (the least recently used)."""
+        classes = self.classes.setdefault(self.structure(state.signature), [])
+        classes.append(state)
+        gone = []
+        while len(classes) > limit:
+            gone.append(classes.pop(0))
+        return gone
