@@ -270,19 +270,19 @@ if triton is not None:
             ph = tl.arange(0, H)[:, None, None, None]
             pt = tl.arange(0, T)[None, None, :, None]
             pv = tl.arange(0, V // 2)[None, None, None, :]
-            pidx = (grp * (G // 2)).to(tl.uint32)[None, :, None, None] + (
-                ph * (T * V // 2) + pt * (V // 2) + pv
-            ).to(tl.uint32)
-            u_lo, u_hi = _halves_to_u_half(_lowbias32(pidx ^ key.to(tl.uint32)))
+            # the key is added once per group, then each pair's place in the group
+            base = (grp * (G // 2)).to(tl.uint32) + key.to(tl.uint32)
+            slot = (ph * (T * V // 2) + pt * (V // 2) + pv).to(tl.uint32)
+            u_lo, u_hi = _halves_to_u_half(_lowbias32(base[None, :, None, None] + slot))
             u_half = tl.reshape(tl.join(u_lo, u_hi), (H, GROUPS, T, V))
         else:
             eo = grp[None, :, None, None] * G + pos
             pair = eo >> 1
             if WIDE:  # offsets past 2**32: the key follows the pair's high word (`key` = seed)
                 hi_key = _lowbias32((pair >> 32).to(tl.uint32) + 0x9E3779B9)
-                h = _lowbias32(pair.to(tl.uint32) ^ _lowbias32(key.to(tl.uint32) ^ hi_key))
+                h = _lowbias32(pair.to(tl.uint32) + _lowbias32(key.to(tl.uint32) ^ hi_key))
             else:  # every offset is below 2**32: one key, and 32-bit pair indices
-                h = _lowbias32(pair.to(tl.uint32) ^ key.to(tl.uint32))
+                h = _lowbias32(pair.to(tl.uint32) + key.to(tl.uint32))
             m = (h >> ((eo & 1) * 16).to(tl.uint32)) & 0xFFFF
             u_half = ((m << 7) | 0x3F800000).to(tl.float32, bitcast=True) - 1.5
         w = tl.minimum(t + u_half, LEVELS * 1.0)

@@ -8,7 +8,7 @@ takes its low 16 bits, the odd one its high 16 bits. Both implementations below 
 all arithmetic mod 2**32::
 
     key = lowbias32(seed ^ lowbias32(hi32(p) + 0x9E3779B9))
-    h   = lowbias32(lo32(p) ^ key)
+    h   = lowbias32(lo32(p) + key)
     u   = ((h >> (16 * (offset & 1))) & 0xFFFF) * 2**-16      # exact in fp32
 
 ``lowbias32`` is Chris Wellons' integer hash (https://nullprogram.com/blog/2018/07/31/); its
@@ -116,7 +116,7 @@ def uniform_reference(seed: int, offsets: Tensor) -> Tensor:
     key ^= _as_int32(seed)
     key = _lowbias32_(key)
     h = _low_word_int32(pair)
-    h ^= key
+    h += key
     return uniform_bits_to_float(_split_halves(_lowbias32_(h), offsets))
 
 
@@ -156,8 +156,9 @@ def uniform_bits_range_(out: Tensor, seed: int, start: int) -> Tensor:
         first = p0 + done
         seg = min(pairs - done, (1 << 32) - (first & _MASK32))
         h = words[done : done + seg]
-        torch.add(_arange_int32(seg, flat.device), _as_int32(first), out=h)
-        h ^= _as_int32(rng_key(seed, first >> 32))
+        torch.add(
+            _arange_int32(seg, flat.device), _as_int32(first + rng_key(seed, first >> 32)), out=h
+        )
         _lowbias32_(h, tmp[:seg])
         done += seg
     del tmp
@@ -202,6 +203,6 @@ if triton is not None:
         pair = offsets >> 1
         hi = (pair >> 32).to(tl.uint32) + 0x9E3779B9
         key = lowbias32(seed.to(tl.uint32) ^ lowbias32(hi))
-        h = lowbias32(pair.to(tl.uint32) ^ key)
+        h = lowbias32(pair.to(tl.uint32) + key)
         m = (h >> ((offsets & 1) * 16).to(tl.uint32)) & 0xFFFF
         return m.to(tl.float32) * (1.0 / 65536.0)
