@@ -22,7 +22,8 @@ except at exact ties), with ``u`` from a counter-based hash of ``(seed, element 
 (:mod:`gact_graph.kernels.rng`), and dequantization is :math:`\mathrm{lo}_b + q\,\mathrm{scale}_b`
 in fp32, cast to the input dtype. It is unbiased, :math:`E[\hat x] = x`, up to fp32 rounding of
 ``t`` (a relative error of about 2**-23, as the rounding of ``x - lo_b`` already was), ``u``
-having 24 bits, ties, and the final cast to fp16/bf16; per-element variance
+having 16 bits (a bias of at most 2**-16 of a step), ties, and the final cast to fp16/bf16;
+per-element variance
 :math:`\mathrm{scale}_b^2\, f (1 - f) \le \mathrm{scale}_b^2 / 4`, ``f`` the fractional part.
 The form is chosen for the GPU: one multiply instead of a division, and a rounding done by an
 fp32 add instead of conversion instructions (:mod:`gact_graph.kernels.quantize`).

@@ -53,7 +53,7 @@ __all__ = [
 _MASK32 = 0xFFFFFFFF
 _BF16_NAN = 0x7FC0
 _CONST_FLAG = 0x8000
-_INV_2_24 = 1.0 / 16777216.0
+_INV_2_16 = 1.0 / 65536.0
 #: default block size of the reference (elements of the group matrix per step). A block holds
 #: about 13 bytes per element in temporaries (fp32 values, int32 hash words and their scratch,
 #: uint8 codes), so this bounds the reference's extra memory; smaller blocks pay Python overhead
@@ -89,6 +89,7 @@ def _as_2d(x: Tensor, layout: GroupLayout) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
+    from gact_graph.kernels.rng import halves_to_u_half as _halves_to_u_half
     from gact_graph.kernels.rng import lowbias32 as _lowbias32
 
     @triton.jit
@@ -262,15 +263,28 @@ if triton is not None:
 
         # Stochastic rounding: q = round_half_even(min(t + u - 1/2, LEVELS)), t = (x - lo) / s.
         t = (x - lo_q[None, :, None, None]) * inv[None, :, None, None]
-        if WIDE:  # offsets past 2**32: the key follows the offset's high word (`key` = seed)
+        # u - 1/2 per element, exact (see gact_graph.kernels.rng): one hash per pair of
+        # elements, the even offset taking its low 16 bits, the odd one its high 16 bits
+        PAIRED: tl.constexpr = (G % 2 == 0) and (V % 2 == 0) and (not WIDE)
+        if PAIRED:  # a pair is two neighbours in one thread's run: hash once, split in place
+            ph = tl.arange(0, H)[:, None, None, None]
+            pt = tl.arange(0, T)[None, None, :, None]
+            pv = tl.arange(0, V // 2)[None, None, None, :]
+            # the key is added once per group, then each pair's place in the group
+            base = (grp * (G // 2)).to(tl.uint32) + key.to(tl.uint32)
+            slot = (ph * (T * V // 2) + pt * (V // 2) + pv).to(tl.uint32)
+            u_lo, u_hi = _halves_to_u_half(_lowbias32(base[None, :, None, None] + slot))
+            u_half = tl.reshape(tl.join(u_lo, u_hi), (H, GROUPS, T, V))
+        else:
             eo = grp[None, :, None, None] * G + pos
-            hi_key = _lowbias32((eo >> 32).to(tl.uint32) + 0x9E3779B9)
-            h = _lowbias32(eo.to(tl.uint32) ^ _lowbias32(key.to(tl.uint32) ^ hi_key))
-        else:  # every offset is below 2**32: one key, and 32-bit offsets
-            lo32 = (grp * G).to(tl.uint32)[None, :, None, None] + pos.to(tl.uint32)
-            h = _lowbias32(lo32 ^ key.to(tl.uint32))
-        # u - 1/2 = (h >> 8) * 2**-24 - 1/2, exact (one fma, nothing to round)
-        u_half = tl.fma((h >> 8).to(tl.float32), 1.0 / 16777216.0, -0.5)
+            pair = eo >> 1
+            if WIDE:  # offsets past 2**32: the key follows the pair's high word (`key` = seed)
+                hi_key = _lowbias32((pair >> 32).to(tl.uint32) + 0x9E3779B9)
+                h = _lowbias32(pair.to(tl.uint32) + _lowbias32(key.to(tl.uint32) ^ hi_key))
+            else:  # every offset is below 2**32: one key, and 32-bit pair indices
+                h = _lowbias32(pair.to(tl.uint32) + key.to(tl.uint32))
+            m = (h >> ((eo & 1) * 16).to(tl.uint32)) & 0xFFFF
+            u_half = ((m << 7) | 0x3F800000).to(tl.float32, bitcast=True) - 1.5
         w = tl.minimum(t + u_half, LEVELS * 1.0)
         # w + 1.5 * 2**23 rounds w to the nearest integer (ties to even), which then sits in the
         # low mantissa bits; w >= -1/2, so the integer is >= 0. NaN (non-regular groups) and
@@ -794,10 +808,10 @@ def quantize_reference(
         # the draws are numbered in group-matrix order, as the Triton kernel numbers them
         h = torch.empty(v.shape, dtype=torch.int32, device=v.device)
         h = uniform_bits_range_(h, seed, blk.first * g)
-        # v + (u - 1/2) with u = (h >> 8) * 2**-24: the product is exact, so this is one
-        # rounding; then round half to even, which is floor(v + u) but at exact ties.
-        h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).sub_(0x800000)
-        v.add_(h, alpha=_INV_2_24).clamp_(max=levels).round_()
+        # v + (u - 1/2) with u = h * 2**-16: the product is exact, so this is one rounding;
+        # then round half to even, which is floor(v + u) but at exact ties.
+        h.sub_(0x8000)
+        v.add_(h, alpha=_INV_2_16).clamp_(max=levels).round_()
         # Special groups need two more passes; skip them when there are none (on CPU only:
         # on CUDA that check would sync the device).
         special = m.is_cuda or not bool(p.regular.all())

@@ -288,3 +288,75 @@ def test_compiled_seed_is_never_a_compile_time_constant():
     names = {kq._quantize_pack_kernel.arg_names[i] if isinstance(i, int) else i
              for i in kq._quantize_pack_kernel.do_not_specialize}  # fmt: skip
     assert "key" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# the uniforms: one 32-bit hash per pair of elements, 16 bits each
+
+
+def _round_ups(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` (one row per group) from the reference, and each element's ``t``."""
+    packed, meta = kq.quantize_reference(x, bits, x.shape[1], seed)
+    from gact_graph.kernels.bitpack import unpack_bits
+
+    codes = unpack_bits(packed, bits, x.numel()).view(x.shape).float()
+    lo_b, s = meta.float().unbind(1)
+    return codes, (x - lo_b[:, None]) * (1.0 / s[:, None])
+
+
+def test_uniforms_are_multiples_of_2_pow_16_and_uniform():
+    from gact_graph.kernels.rng import U_BITS, uniform_range_reference
+
+    assert U_BITS == 16
+    u = uniform_range_reference(5, 2**32 - 2**19, 2**20)  # crosses a key segment
+    m = u * 2**16
+    assert torch.equal(m, m.floor()) and float(m.min()) >= 0 and float(m.max()) < 2**16
+    # chi-square over 256 equal bins of the low 8 of the 16 bits and the high 8 bits
+    for bins in (m.long() & 255, m.long() >> 8):
+        counts = torch.bincount(bins, minlength=256).double()
+        chi2 = float(((counts - 2**12) ** 2 / 2**12).sum())
+        assert chi2 < 255 + 6 * (2 * 255) ** 0.5  # mean 255, sd 22.6
+
+
+@pytest.mark.parametrize("fracs", [(0.5, 0.5), (0.3, 0.3), (0.7, 0.2)])
+def test_the_two_uniforms_of_a_hash_are_independent(fracs):
+    """Neighbours sharing a hash word (even offset: low half, odd: high half) round up jointly
+    with probability p_even * p_odd. A split that reused or mirrored the bits (u_odd = u_even,
+    or 1 - u_even) would give p or 0 at equal fractional parts."""
+    fe, fo = fracs
+    rows, g = 1024, 256
+    x = torch.empty(rows, g)
+    x[:, 0::2] = 1.0 + fe  # fp32 value; t below is measured, not assumed
+    x[:, 1::2] = 1.0 + fo
+    x[:, 0], x[:, 1] = 0.0, 3.0  # every group's range [0, 3]; this pair is left out
+    codes, t = _round_ups(x, 2, seed=123)
+    up = codes > t.floor()
+    ue, uo = up[:, 2::2].reshape(-1).double(), up[:, 3::2].reshape(-1).double()
+    pe, po = (t[0, 2] - t[0, 2].floor()).item(), (t[0, 3] - t[0, 3].floor()).item()
+    n = ue.numel()
+    for p, u in ((pe, ue), (po, uo)):
+        assert abs(u.mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    joint = (ue * uo).mean().item()
+    sd = (pe * po * (1 - pe * po) / n) ** 0.5
+    assert abs(joint - pe * po) < 5 * sd
+    # neighbouring pairs (different hash words) are independent too
+    nxt = (uo[:-1] * ue[1:]).mean().item()
+    assert abs(nxt - pe * po) < 5 * sd
+
+
+def test_rounding_resolution_is_2_pow_16():
+    """u has 16 bits: a fractional part below 2**-16 of a step never rounds up (the bias of
+    the stochastic rounding is at most 2**-16 of a step), and over the 2**16 values of u every
+    fractional part f is reproduced within 2**-16."""
+    rows, g = 2048, 256  # at 24 bits about 4 of these elements would round up
+    x = torch.full((rows, g), 1.0 + 2.0**-17)
+    x[:, 0], x[:, 1] = 0.0, 3.0
+    codes, t = _round_ups(x, 2, seed=9)
+    assert t[0, 2].item() == 1.0 + 2.0**-17  # scale 1, lo 0: t is x
+    assert torch.equal(codes[:, 2:], torch.ones(rows, g - 2))
+    # the contract's expectation, enumerated over every u = m * 2**-16
+    u_half = (torch.arange(2**16, dtype=torch.float32) - 2**15) * 2.0**-16
+    for f in (2.0**-17, 2.0**-16, 3 * 2.0**-17, 0.1, 0.5, 0.75, 1 - 2.0**-17):
+        tt = torch.tensor(1.0 + f, dtype=torch.float32)
+        mean = (tt + u_half).round().double().mean().item()
+        assert abs(mean - (1.0 + f)) <= 2.0**-16
