@@ -189,10 +189,12 @@ class ProbeEstimates:
 
     def _probe(
         self, node, stored, x_hat, grad_inputs, grad_outputs, side_effects: bool = False
-    ) -> None:
+    ) -> Seeds | None:
         """Replay ``node`` with ``x_hat`` plus noise; what the noise changes in a parameter's
         gradient is added at once, what it changes in an activation's gradient is carried to
-        the parameters by a partial backward from the node it enters (`_defer`)."""
+        the parameters by a partial backward from the node it enters (`_defer`). Returns the
+        deferred :class:`Seeds` (``None`` when the noise reached parameters only), which the
+        caller may carry at once (`ProbeWalk._propagate`)."""
         # the backward's own tensors: nothing here may write into them
         theirs = [t for t in (*grad_inputs, *grad_outputs) if isinstance(t, Tensor)]
         reusable = isinstance(stored.payload, QTensor) and not shares_storage(x_hat, theirs)
@@ -242,9 +244,13 @@ class ProbeEstimates:
             edges.append(GradientEdge(fn, nr))
             seeds.append(d)
         noisy = out = d = None  # released before the deferred partial backward runs
+        deferred = None
         if edges:
-            self._defer(Seeds(stored.name, edges, seeds))
+            deferred = Seeds(stored.name, edges, seeds)
+            self._defer(deferred)
+            seeds = edges = None
         self._finish_read(stored.name)
+        return deferred
 
     def _finish_read(self, name: str, read: bool = True) -> None:
         """Count one probed read of ``name``; once every read of it is probed and all its

@@ -213,26 +213,44 @@ class ProbeHooks:
             side_effects = before is not None and before != self._grad_state()
             if not reads:
                 return None
-            t0 = time.perf_counter()
-            with self._inside():
-                self.ran = True
-                done: set[int] = set()
-                for i in range(len(reads)):
-                    stored, x_hat, shape = reads[i]
-                    reads[i] = None  # the probe may write its noise into x_hat: hold it once
-                    if id(stored) in done or not self._is_candidate(stored):
-                        continue
-                    done.add(id(stored))
+            self.ran = True
+            done: set[int] = set()
+            for i in range(len(reads)):
+                stored, x_hat, shape = reads[i]
+                reads[i] = None  # the probe may write its noise into x_hat: hold it once
+                if id(stored) in done or not self._is_candidate(stored):
+                    continue
+                done.add(id(stored))
+                # another tensor this node read is still to be replayed (GATv2's x_l and x_r)
+                later = any(
+                    r is not None and id(r[0]) not in done and self._is_candidate(r[0])
+                    for r in reads[i + 1 :]
+                )
+                seeds = None
+                t0 = time.perf_counter()
+                with self._inside():
                     try:
                         if self._matmul_closed_form(node, stored, shape, grad_outputs):
                             continue
                         if x_hat is None:  # a matmul that reads it otherwise: dequantize again
                             x_hat = self._ctl_unpack(stored)
-                        self._probe(node, stored, x_hat, grad_inputs, grad_outputs, side_effects)
+                        seeds = self._probe(
+                            node, stored, x_hat, grad_inputs, grad_outputs, side_effects
+                        )
                     except Exception as exc:  # a node we cannot replay: say so, never break
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
-                    x_hat = None
-            self.seconds += time.perf_counter() - t0
+                    finally:
+                        x_hat = None
+                        self.seconds += time.perf_counter() - t0
+                if seeds is not None and later:
+                    # carried down now, before the next replay's differences exist (deferred,
+                    # both replays' would wait together); the later reads' dequantized copies
+                    # are dropped first and made again when their turn comes
+                    for j in range(i + 1, len(reads)):
+                        if reads[j] is not None:
+                            reads[j] = (reads[j][0], None, reads[j][2])
+                    self._propagate(seeds)
+                seeds = None
             return None
 
         return hook

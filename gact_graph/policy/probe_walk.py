@@ -71,7 +71,9 @@ class ProbeWalk:
         partial backward from the first of the nodes it enters to run (its pre-hook): by then
         the user's backward has released the gradients of the replayed node, so the partial
         backward runs on top of one tensor fewer or two than it would right after the replay,
-        and none of the nodes below has run yet."""
+        and none of the nodes below has run yet. A node that reads several replayed tensors
+        has all its replays' seeds but the last carried at once instead, before its next
+        replay runs (`ProbeHooks._post_hook`), so that two replays' seeds never wait together."""
         for edge in seeds.edges:
             self._pending.setdefault(id(edge.node), []).append(seeds)
         self._open[seeds.name] = self._open.get(seeds.name, 0) + 1

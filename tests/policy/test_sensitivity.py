@@ -524,3 +524,58 @@ def test_walk_sends_parameter_only_subgraphs_to_one_partial_backward(monkeypatch
     assert ran == ["MmBackward0", "MmBackward0"], ran  # s's and h's, not the folded vector's
     for p, g in zip((w, a), want):
         torch.testing.assert_close(acc[id(p)].float(), g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_with_two_replayed_inputs_carries_the_first_before_the_second_replay(
+    monkeypatch,
+):
+    """GATv2's attention node reads two compressed inputs (``x_l``, ``x_r``) and each replay
+    emits two N x H x C gradient differences: the first replay's are carried down to the
+    parameters before the second replay runs (deferred, both pairs would wait together), with
+    the estimates the deferred walks give (same noise, same walk, another time)."""
+    from gact_graph.models import GATv2
+    from gact_graph.policy import sensitivity
+
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = GATv2(16, 8, 4, num_layers=3, heads=2, dropout=0.3, attn_dropout=0.1)
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    step()
+    state = torch.get_rng_state()
+    probe_cls = sensitivity.SensitivityProbe
+    real_probe, real_propagate = probe_cls._probe, probe_cls._propagate
+    events = []
+
+    def probe(self, node, stored, *args, **kwargs):
+        out = real_probe(self, node, stored, *args, **kwargs)
+        events.append(("replay", node.name(), stored.name))
+        return out
+
+    def propagate(self, seeds):
+        if not seeds.done:
+            events.append(("carry", seeds.name))
+        real_propagate(self, seeds)
+
+    monkeypatch.setattr(probe_cls, "_probe", probe)
+    monkeypatch.setattr(probe_cls, "_propagate", propagate)
+    torch.set_rng_state(state)
+    got = probe_sensitivity(ctl, step, seed=3)
+    v2 = [i for i, e in enumerate(events) if e[0] == "replay" and "GatV2" in e[1]]
+    assert len(v2) >= 4, events  # two inputs per attention layer, at least two layers
+    pairs = [(i, j) for i, j in zip(v2, v2[1:]) if events[i][1] == events[j][1]]
+    assert pairs, events
+    for i, j in pairs[::2]:  # the node's first replay, then its second
+        assert events[i + 1] == ("carry", events[i][2]), events[i : j + 1]
+
+    # the same estimates when every replay's seeds wait for the node they enter
+    monkeypatch.setattr(
+        probe_cls, "_probe", lambda self, *a, **k: real_probe(self, *a, **k) and None
+    )
+    monkeypatch.setattr(probe_cls, "_propagate", real_propagate)
+    torch.set_rng_state(state)
+    deferred = probe_sensitivity(ctl, step, seed=3)
+    assert set(got) == set(deferred) and len(got) >= 6
+    for name in got:
+        assert got[name] == pytest.approx(deferred[name], rel=1e-4, abs=1e-12), name
+    ctl.remove()

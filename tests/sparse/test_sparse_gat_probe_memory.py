@@ -9,8 +9,8 @@ holds at once at a GATv2 node, which reads two compressed N x H x C inputs (``x_
 ``x_r``) and emits two N x H x C gradients (GAT: one of each):
 
 - the user's backward: the node's two gradients, waiting for their projections' nodes;
-- the second replay's noise (its two gradients' differences), pending while the first one's
-  partial backward runs;
+- (no longer: the probe carries the first replay's noise down before the second replay
+  runs, so the second replay's two gradients' differences do not wait through that walk);
 - inside that partial backward, the attention node of the layer below: both dequantized
   inputs and both gradients at once (GAT's lean backward releases its one input first).
 """
@@ -55,8 +55,8 @@ def test_gatv2_probed_steps_peak_in_the_probe(gatv2_peaks):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="GATv2's re-planning steps peak above the bound: the probe holds several N x H x C "
-    "tensors more at a GATv2 node than fixed bits (module docstring; figures in "
+    reason="GATv2's re-planning steps peak above the bound: the probe still holds a few N x H "
+    "x C tensors more at a GATv2 node than fixed bits (module docstring; figures in "
     "docs/design.md); not fixed yet",
 )
 def test_gatv2_default_mode_worst_step_within_the_fixed_bit_envelope(gatv2_peaks):
