@@ -328,8 +328,16 @@ class BudgetPlanner:
 
     def _size_class(self, signature: tuple) -> tuple[PlanState | None, float]:
         """The plan of a size class ``signature`` falls in, and its sizes' scale
-        (`SizeClasses.find`)."""
-        return self.size_classes.find(signature, self.budget, self.margin)
+        (`SizeClasses.find`); where it leaves every class, a plan solved from the nearest
+        class's profile scaled to its sizes (`SizeClasses.rescaled`), kept as a class of its
+        own, so a slightly larger batch does not cost a profile step at 1 bit."""
+        state, scale = self.size_classes.find(signature, self.budget, self.margin)
+        if state is None:
+            state = self.size_classes.rescaled(signature, self.budget, self.margin)
+            if state is not None:
+                self.plans[signature] = state
+                self._add_class(state)
+        return state, scale
 
     def _add_class(self, state: PlanState) -> None:
         """Keep ``state`` as a size class of its structure; a plan dropped to keep at most

@@ -3,9 +3,11 @@ of other sizes share it (`SizeClasses`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from gact_graph.budget.planner import Plan, Unit
+from gact_graph.budget.planner import Plan, Unit, solve_plan
 
 __all__ = ["PlanState", "SizeClasses"]
 
@@ -103,6 +105,72 @@ class SizeClasses:
         classes.remove(best[1])  # most recently used last
         classes.append(best[1])
         return best[1], best[2]
+
+    #: the most a shape's sizes may exceed a profiled one's for `rescaled` to plan it from
+    #: that profile: mini-batches of one loader differ by a few percent, where bytes that
+    #: scale with the counts dominate; a graph several times larger is profiled again, since
+    #: what does not scale linearly (its one-time work, the backward transient's shape) may
+    #: then exceed the margin
+    MAX_RESCALE = 1.25
+
+    def rescaled(self, signature: tuple, budget: int, margin: float) -> PlanState | None:
+        """A plan for a shape that no class admits, solved from the nearest class's profile
+        with its per-tensor bytes, transient and measured excess scaled by the shape's sizes
+        over the profiled ones (what a profile step of this shape would measure, without
+        running one at 1 bit); None where no class's profile is within `MAX_RESCALE` and
+        scalable (a plan admitted by the profile step's own measurement is not) or no plan
+        fits."""
+        sizes = self.sizes(signature)
+        best = None
+        for state in self.classes.get(self.structure(signature), []):
+            if state.relaxed == "profile":
+                continue
+            ref = self.sizes(state.signature)
+            if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
+                continue
+            scale = max([1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r])
+            if scale > self.MAX_RESCALE:
+                continue
+            if best is None or scale < best[1]:
+                best = (state, scale)
+        if best is None:
+            return None
+        state, scale = best
+
+        def grow(n: int) -> int:
+            return math.ceil(round(n * scale, 6))  # not one byte up for a float's last bit
+
+        units = [
+            dataclasses.replace(
+                u,
+                options=[
+                    dataclasses.replace(o, resident=grow(o.resident), transient=grow(o.transient))
+                    for o in u.options
+                ],
+            )
+            for u in state.units
+        ]
+        fixed, transient, correction = (
+            grow(state.fixed),
+            grow(state.transient),
+            grow(state.correction),
+        )
+        free = budget * (1 - margin) - state.rest - fixed - transient - correction
+        cap = None if state.relaxed else state.variance_cap
+        plan = solve_plan(units, free, cap) if free >= 0 else None
+        if plan is None:
+            return None
+        return dataclasses.replace(
+            state,
+            signature=signature,
+            plan=plan,
+            units=units,
+            fixed=fixed,
+            transient=transient,
+            correction=correction,
+            recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
+            swap={n for n, o in plan.choice.items() if o.mode == "swap"},
+        )
 
     def add(self, state: PlanState, limit: int) -> list[PlanState]:
         """Keep ``state`` as a size class of its structure; returns the plans dropped to keep

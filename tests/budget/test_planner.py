@@ -112,3 +112,45 @@ def test_load_solver_solves_once_per_process(monkeypatch):
     assert capacities[0] is None and len(capacities) == 4
     assert capacities[2] < capacities[1] and capacities[2] < capacities[3]
     assert planner.load_solver() and len(capacities) == 4
+
+
+def test_a_batch_larger_than_every_size_class_gets_a_plan_scaled_from_the_nearest_profile():
+    """A mini-batch a little larger than the profiled one, whose plan no longer fits once
+    scaled: solved again from that profile with its bytes scaled (no 1-bit profile step),
+    within the budget's margin; refused (None) when no plan fits even so."""
+    from gact_graph.budget.planner import Option, Plan, Unit
+    from gact_graph.budget.state import PlanState, SizeClasses
+
+    def unit(name):
+        return Unit(
+            name,
+            "tensor",
+            [
+                Option("keep", 32, 1000, seconds=0.0),
+                Option("compress", 4, 130, seconds=1.0),
+                Option("compress", 2, 70, seconds=2.0),
+            ],
+        )
+
+    units = [unit("a"), unit("b")]
+    profiled = ((100, 16), "torch.float32", "cpu"), ((2, 400), "torch.int64", "cpu")
+    plan = Plan({"a": units[0].options[1], "b": units[1].options[1]})  # 4 bits: 260
+    state = PlanState(profiled, plan, units, rest=100, fixed=50, transient=40,
+                      variance_cap=None, profile_step=0)  # fmt: skip
+    classes = SizeClasses()
+    classes.add(state, limit=8)
+    budget, margin = 500, 0.1  # usable 450: the profiled shape predicts 450
+    assert state.predicted == 450
+    larger = ((110, 16), "torch.float32", "cpu"), ((2, 440), "torch.int64", "cpu")
+    assert classes.find(larger, budget, margin) == (None, 1.0)  # 4 bits scaled: 486 > 450
+    rescaled = classes.rescaled(larger, budget, margin)
+    assert rescaled is not None and rescaled.signature == larger
+    assert rescaled.fixed == 55 and rescaled.transient == 44
+    assert {o.bits for o in rescaled.plan.choice.values()} <= {2, 4}
+    assert 2 in {o.bits for o in rescaled.plan.choice.values()}
+    assert rescaled.predicted <= budget * (1 - margin)
+    assert state.plan is plan and state.fixed == 50  # the profiled class is unchanged
+    much_larger = ((400, 16), "torch.float32", "cpu"), ((2, 1600), "torch.int64", "cpu")
+    assert classes.rescaled(much_larger, budget, margin) is None
+    twice = ((200, 16), "torch.float32", "cpu"), ((2, 800), "torch.int64", "cpu")
+    assert classes.rescaled(twice, 10**6, margin) is None  # far from the profile: profile again
