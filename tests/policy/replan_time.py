@@ -2,8 +2,9 @@
 time over the median of the others: what a probed step costs.
 
     python tests/policy/replan_time.py [--models gat,gcn,gcnii] [--scale 0.02] [--steps 17]
+    python tests/policy/replan_time.py --device cuda --scale 1 --models gat   # a GPU
 
-One thread, the ogbn-arxiv presets of `gact_graph.models.preset` on the synthetic arxiv-like
+One CPU thread, the ogbn-arxiv presets of `gact_graph.models.preset` on the synthetic arxiv-like
 graph at ``--scale``; a step is forward, loss, backward, Adam step and ``ctl.iterate()``. The
 default mode probes steps 0, 1, 3, 7, 15, ...; step 0 also pays first-call costs, so the figure
 to read is the worst of the later probed steps. Prints one JSON line per model. The package
@@ -32,10 +33,17 @@ from gact_graph.models import build_model, preset
 PROBED = (0, 1, 3, 7, 15, 31)
 
 
-def step_times(name: str, data, steps: int) -> list[float]:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a step's wall time includes it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_times(name: str, data, steps: int, device: torch.device) -> list[float]:
     cfg = preset(name, "synthetic-ogbn-arxiv")
     torch.manual_seed(0)
     model = build_model(name, data.num_features, int(data.num_classes), **cfg["model"])
+    model = model.to(device)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     ctl = compress_gnn(model, bits=2)
@@ -49,10 +57,12 @@ def step_times(name: str, data, steps: int) -> list[float]:
 
     times = []
     for _ in range(steps):
+        sync(device)
         t0 = time.perf_counter()
         step_fn()
         opt.step()
         ctl.iterate(step_fn)
+        sync(device)
         times.append(time.perf_counter() - t0)
     ctl.remove()
     return times
@@ -63,12 +73,14 @@ def main() -> None:
     p.add_argument("--models", default="gat,gcn,gcnii")
     p.add_argument("--scale", type=float, default=0.02)
     p.add_argument("--steps", type=int, default=17)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    data = load_dataset("synthetic-ogbn-arxiv", scale=args.scale, seed=0)
+    device = torch.device(args.device)
+    data = load_dataset("synthetic-ogbn-arxiv", scale=args.scale, seed=0).to(device)
     for name in args.models.split(","):
-        times = step_times(name, data, args.steps)
+        times = step_times(name, data, args.steps, device)
         median = statistics.median(t for i, t in enumerate(times) if i not in PROBED)
         ratios = {i: times[i] / median for i in PROBED if i < len(times)}
         later = [r for i, r in ratios.items() if i > 0]
