@@ -8,10 +8,11 @@ it spares; `docs/results/budget.md`). It measures what the plan needs: every sav
 shape (from the controller's records), the step's peak (`StepMeter`), and, once per shape and
 width, the (de)compression time. What work done once per graph held while it ran (building
 the adjacency, `gact_graph.switches`) is counted apart (CPU) and in no figure the plan is made
-from: later steps find the adjacency cached. After the step (at ``ctl.iterate()``) the planner
-(`gact_graph.budget.planner`) chooses per unit and the plan holds for every later step with
-inputs of that shape; plans are cached per input shape, so alternating graphs re-profile once
-each (Adacc's policy rectifier re-plans on a size change the same way).
+from: later steps find the adjacency cached. After the step (at ``ctl.iterate()``) a plan is
+chosen per unit (`gact_graph.budget.selection`, solved by `gact_graph.budget.planner`) and it
+holds for every later step with inputs of that shape; plans are cached per input shape, so
+alternating graphs re-profile once each (Adacc's policy rectifier re-plans on a size change
+the same way).
 
 **Recompute profile.** Only when no plan without recomputation fits (not even below the
 accuracy bound, and the profile step itself measured above the budget) does the next step with
@@ -94,15 +95,8 @@ from typing import Any
 
 import torch
 
-from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError, named_budget
-from gact_graph.budget.planner import (
-    Option,
-    Plan,
-    Unit,
-    load_solver,
-    smallest_memory,
-    solve_plan,
-)
+from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
+from gact_graph.budget.planner import Unit, load_solver
 from gact_graph.budget.profile import (
     CodecTimer,
     LiveBytes,
@@ -113,14 +107,13 @@ from gact_graph.budget.profile import (
 )
 from gact_graph.budget.rectifier import replan
 from gact_graph.budget.report import METERS, budget_report
+from gact_graph.budget.selection import Deferred, ProfileFigures, select_plan, variance_cap
 from gact_graph.budget.state import PlanState, SizeClasses
 from gact_graph.budget.units import build_units
-from gact_graph.config import FIXED_BITS, PLAN_BITS, format_bytes
+from gact_graph.config import FIXED_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
-from gact_graph.policy.adaptive import allocate_bits, budget_bits, tensor_costs
 from gact_graph.policy.levels import CheckpointManager, SwapManager
-from gact_graph.policy.sensitivity import S
 from gact_graph.switches import is_lean, is_once_per_graph
 
 __all__ = [
@@ -740,151 +733,42 @@ class BudgetPlanner:
         correction: int = 0,
         whole: int | None = None,
     ) -> PlanState | None:
-        """The plan for the profile step just finished (None: no plan without recomputation,
-        the next step with these inputs profiles with every segment recomputed); ``growth`` is
-        the most memory the step held beyond what existed before it, ``outside`` the same
-        outside the segments' recomputations and the probe's work (CPU; None: not measured
-        apart), ``profile_peak`` what a later step at the profile step's setting holds,
-        measured (None: not measurable), ``whole`` the profile step's own peak (its probe and
-        adjacency build included).
-
-        The backward transient is what the step held beyond its stored bytes and the largest
-        recomputed segment's; where recomputations were measured apart (``outside``), it
-        excludes them: a plan that recomputes a segment pays that segment's own measured rise
-        instead (its ``recompute`` option's transient), and one that recomputes nothing does
-        not pay it at all.
-
-        In order: the fastest plan that meets the accuracy bound under ``budget * (1 -
-        margin)``; else the fastest with the bound relaxed (1 bit allowed everywhere), with a
-        warning; else, when the budget is at least what a later step at the profile step's
-        setting holds (measured, less the probe's tensors), that setting (refusing it would
-        refuse a budget just met). Otherwise, where a recompute profile may follow, None;
-        else `BudgetError`, naming the smallest budget one of these admits and a rerun meets
-        in every step: a rerun at it runs this profile step again (and the one before it,
-        where this is a recompute profile), so it is at least their own peaks."""
+        """The plan for the profile step just finished (`select_plan`, which the figures are
+        gathered for here); None: no plan without recomputation, the next step with these
+        inputs profiles with every segment recomputed (kept in ``compress_profiled``)."""
         self.profiles += 1
         tensors = self._records()
-        rest = self._rest() + self._carried  # later steps start with what this one carried
-        stored = self._forward["stored"]
         all_inner = [t for ts in self._inner.values() for t in ts]
-        floor = self._transient_floor(tensors + all_inner)
-        transient = floor
-        held = outside if outside is not None else growth
-        if held is not None:
-            transient = max(floor, held - stored - self._recomputed_peak)
+        fig = ProfileFigures(
+            signature=self._signature,
+            step=self.ctl.step,
+            rest=self._rest() + self._carried,  # later steps start with what this one carried
+            stored=self._forward["stored"],
+            recomputed_peak=self._recomputed_peak,
+            transient_floor=self._transient_floor(tensors + all_inner),
+            growth=growth,
+            outside=outside,
+            profile_peak=profile_peak,
+            correction=correction,
+            whole=whole,
+            lower_bound=self._lower_bound,
+        )
         units, fixed = self._units(tensors, relaxed=False)
         cap_var = self._variance_cap(tensors)
-        profile_memory = 0
-        usable = self.budget * (1 - self.margin)
-        free = usable - rest - fixed - transient - correction
-        plan = solve_plan(units, free, cap_var) if free >= 0 else None
-        relaxed = ""
         loose = self._units(tensors, relaxed=True)[0]
-        least_loose, _ = smallest_memory(loose, None)
-        need_loose = (rest + fixed + transient + correction + least_loose) / (1 - self.margin)
-        least = math.ceil(need_loose)
-        if profile_peak is not None:
-            least = min(least, profile_peak)
-        earlier = self.compress_profiled.get(self._signature)  # (least, detail, whole)
-        runs_again = max(whole or 0, earlier[2] if earlier is not None else 0)
-        least = max(least, runs_again)
-        if earlier is not None:
-            least = min(least, earlier[0])
-        least_budget = named_budget(least)  # what a rerun, measuring again, admits
-        if whole is not None and whole > self.budget:
-            # the profile step itself held more than the budget by the meter in use (its
-            # probe, its adjacency build): admitting would leave a step of this run over it,
-            # and a rerun's profile step holds as much again
-            raise BudgetError(
-                f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: the "
-                f"profile step (every saved tensor at 1 bit, {self._what()}, the sensitivity "
-                f"probe and the graph's one-time work included) held {format_bytes(whole)} "
-                f"({self.METERS[self.meter]}); the smallest feasible budget is "
-                f"{format_bytes(least_budget)}"
-                + (
-                    "; budget_recompute=True profiles with every segment recomputed from the "
-                    "first step, which may hold less"
-                    if self._may_recompute_next()
-                    else ""
-                ),
-                least_budget,
-            )
-        if plan is None:
-            least_bound, _ = smallest_memory(units, cap_var)
-            need_bound = (rest + fixed + transient + correction + least_bound) / (1 - self.margin)
-            if free >= 0:
-                plan = solve_plan(loose, free, None)
-            if plan is not None:
-                relaxed, units = "relaxed", loose
-            elif profile_peak is not None and profile_peak <= self.budget:
-                # the profile step's setting just ran within the budget; a plan predicted to
-                # hold no more than it (same terms, no margin: only the plans' difference is
-                # predicted) is as safe, and may be much faster: on small graphs recomputing
-                # every segment holds more than it saves
-                relaxed, units = "profile", loose
-                ran = Plan({u.name: self._profile_option(u) for u in loose}, "profile")
-                profile_memory = ran.memory
-                plan = solve_plan(loose, profile_memory, None) or ran
-            else:
-                detail = (
-                    f"(the profile step, every saved tensor at 1 bit and {self._what()}, measured "
-                    f"{'-' if profile_peak is None else format_bytes(profile_peak)}; the least "
-                    f"plan predicts {format_bytes(need_loose)} with margin {self.margin:.0%}: "
-                    f"rest {format_bytes(rest)}, fixed saved bytes {format_bytes(fixed)}, "
-                    f"least plan {format_bytes(least_loose)}, backward transient "
-                    f"{format_bytes(transient)}"
-                    + (
-                        f", measured beyond the tensors {format_bytes(correction)}"
-                        if correction
-                        else ""
-                    )
-                    + f"; {format_bytes(need_bound)} keeps the accuracy bound)"
-                )
-                if self._may_recompute_next():  # recomputing segments may still fit it
-                    self.compress_profiled[self._signature] = (least, detail, whole or 0)
-                    return None
-                if earlier is not None:
-                    detail += f"; without recomputation {earlier[1]}"
-                raise BudgetError(
-                    f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met; the "
-                    f"smallest feasible budget is {format_bytes(least_budget)} {detail}",
-                    least_budget,
-                )
-            if relaxed == "profile":
-                how = (
-                    "admitted by the profile step's measured peak "
-                    f"({format_bytes(profile_peak)}; 1 bit, {self._what()}), the fastest plan "
-                    "predicted to hold no more than that setting runs"
-                )
-            else:
-                how = "the bound is relaxed (1 bit allowed everywhere)"
-            warnings.warn(
-                f"gact_graph: memory_budget={format_bytes(self.budget)} is below "
-                f"{format_bytes(need_bound)}, the least budget at which the plan keeps the "
-                f"accuracy bound (no tensor without a sensitivity estimate below "
-                f"{self.default_bits} bits, added gradient variance at most the adaptive "
-                f"allocator's): {how}",
-                stacklevel=2,
-            )
-            cap_var = None
-        recompute = {n for n, o in plan.choice.items() if o.mode == "recompute"}
-        swap = {n for n, o in plan.choice.items() if o.mode == "swap"}
-        return PlanState(
-            self._signature, plan, units, rest, fixed, transient, cap_var, self.ctl.step,
-            recompute, swap, profile_peak, least_budget, relaxed, self._lower_bound,
-            correction, profile_memory=profile_memory, profile_whole=whole,
+        chosen = select_plan(
+            fig, units, fixed, loose, cap_var, budget=self.budget, margin=self.margin,
+            meter=self.meter, default_bits=self.default_bits,
+            earlier=self.compress_profiled.get(self._signature),
+            may_recompute_next=self._may_recompute_next(), what=self._what(),
         )  # fmt: skip
+        if isinstance(chosen, Deferred):
+            self.compress_profiled[self._signature] = chosen
+            return None
+        return chosen
 
     def _what(self) -> str:
         return "every segment recomputed" if self._recomputing else "nothing recomputed"
-
-    @staticmethod
-    def _profile_option(unit: Unit) -> Option:
-        """The option the profile step ran ``unit`` at: recomputed where it can be (a recompute
-        profile measured it), at the fewest bits."""
-        redo = [o for o in unit.options if o.mode == "recompute"]
-        pool = redo or [o for o in unit.options if o.mode in ("compress", "keep")]
-        return min(pool, key=lambda o: o.bits)
 
     def _sensitivities(self) -> dict[str, float]:
         adapter = self.ctl.adapter
@@ -892,19 +776,10 @@ class BudgetPlanner:
         return dict(c) if isinstance(c, dict) else {}
 
     def _variance_cap(self, tensors: list[TensorInfo]) -> float | None:
-        """The added variance of the adaptive allocator's own plan at the configured average
-        over the tensors with an estimate (None: no estimates)."""
-        c = self._sensitivities()
-        known = [t for t in tensors if t.quantizable and t.name in c]
-        if not known or self.lossless:
-            return None
-        costs = [tensor_costs(t.shape, self.group_size) for t in known]
-        D, meta = [d for d, _ in costs], [m for _, m in costs]
+        """The accuracy bound's variance cap over ``tensors`` (`variance_cap`, at the
+        allocator's configured average bits)."""
         avg = float(getattr(self.ctl.adapter, "avg_bits", self.default_bits))
-        bits = allocate_bits(
-            [c[t.name] for t in known], D, budget_bits(avg, D, meta), PLAN_BITS, meta
-        )
-        return sum(c[t.name] * S(b) for t, b in zip(known, bits))
+        return variance_cap(tensors, self._sensitivities(), self.group_size, avg, self.lossless)
 
     def _units(self, tensors: list[TensorInfo], relaxed: bool) -> tuple[list[Unit], int]:
         """The units and the bytes no option changes (`build_units`); ``relaxed``: every unit
