@@ -96,6 +96,7 @@ from typing import Any
 import torch
 
 from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
+from gact_graph.budget.measure import profile_figures, segment_tensors
 from gact_graph.budget.planner import Unit, load_solver
 from gact_graph.budget.profile import (
     CodecTimer,
@@ -380,27 +381,8 @@ class BudgetPlanner:
             self._recompute_rise[segment.path] = max(
                 self._recompute_rise.get(segment.path, 0), rise
             )
-        inputs = {id(spec[1]) for spec in [*segment.args, *segment.kwargs.values()]}
-        infos, held = [], 0
         referenced = self._referenced.setdefault(segment.path, set())
-        for i, stored in store.items():
-            if id(stored) in inputs:
-                referenced.add(stored.name)
-                continue
-            if stored.kind in ("param", "input"):
-                continue
-            if isinstance(stored.payload, torch.Tensor) and stored.kind != "activation":
-                storage = stored.payload.untyped_storage()  # kept by reference, e.g. indices
-                self._shared[storage.data_ptr()] = storage.nbytes()
-                continue
-            shape = tuple(segment.meta[i][0])
-            q = stored.kind == "activation" and stored.bits is not None
-            infos.append(
-                TensorInfo(
-                    stored.name, shape, stored.orig_bytes, q, 0 if q else stored.stored_bytes
-                )
-            )
-            held += stored.stored_bytes
+        infos, held = segment_tensors(segment, store, referenced, self._shared)
         self._inner.setdefault(segment.path, []).extend(infos)
         self._recompute_seconds[segment.path] = (
             self._recompute_seconds.get(segment.path, 0.0) + seconds
@@ -586,60 +568,15 @@ class BudgetPlanner:
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
-            growth = outside = None
-            once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
-            carried_at_start = self._ledger_start  # what earlier steps left alive
-            alive_all = None
-            if live is not None:
-                growth, outside = live.repeated_peak, live.outside_peak
-                once_only = live.peak - live.repeated_peak
-                # a later step starts with what earlier steps left alive (the ledger: the
-                # optimizer state, PyG's per-layer cached graphs of ``cached=True``) and what
-                # this one created after its peak; a later profile step (a new shape, a
-                # recompute profile) does not create the former again, yet starts with it
-                self._carried = carried_at_start + live.created_after_peak()
-                for key, (ref, nbytes, _, _) in live._live.items():
-                    if not ref.expired():
-                        self._ledger[key] = (ref, nbytes)
-                alive_all = PeakBytes(self._ledger).alive()
-            elif peak is not None:
-                growth = peak - self._meter.start
-            profile_peak = None
-            # the sensitivity probe's own tensors at the step's peak (CPU): later steps do not
-            # probe, so what a later step at this setting holds leaves them out
-            probe = 0 if outside is None else max(0, growth - outside)
-            if self._device.type == "cuda":
-                profile_peak = peak
-            elif growth is not None:
-                # what a later step at this setting holds: it starts with the optimizer
-                # state this step created after its peak
-                profile_peak = self._rest() + growth - probe + self._carried
-            correction = 0
-            if measured is not None and profile_peak is not None and self._rectifies():
-                # a trusted meter (the rectifier's) saw more than the tensors: what a CPU
-                # resident set holds besides them (Python objects, the allocator) is there
-                # in every step, so the first plan already counts it, and the profile
-                # step's own setting is admitted only by what it really held (less the
-                # probe's tensors, which it held too). The resident set's peak is the whole
-                # step's, once-per-graph work included: compared with the whole step's count
-                correction = max(0, measured - probe - once_only - profile_peak)
-                now = self._meter.current()
-                if now is not None and alive_all is not None and self._base is not None:
-                    # what the resident set keeps between steps beyond every live tensor
-                    # (the C allocator's retained chunks): later steps start with it, the
-                    # first did not
-                    retained = now - self._base - self._static - alive_all
-                    correction = max(correction, retained)
-                profile_peak += correction  # at least the measured peak less probe and build
-            # the step's own peak, probe and build included: a rerun's profile step does it all
-            if self._device.type == "cuda":
-                whole = profile_peak  # max_memory_allocated: already the whole step's
-            elif live is not None:
-                whole = self._rest() + carried_at_start + live.peak
-            else:
-                whole = None if growth is None else self._rest() + growth
-            if whole is not None and measured is not None and self._rectifies():
-                whole = max(whole, measured)
+            fig = profile_figures(
+                live, self._meter, peak, measured, cuda=self._device.type == "cuda",
+                rest=self._rest(), base=self._base, static=self._static,
+                ledger_start=self._ledger_start, ledger=self._ledger,
+                trusted=self._rectifies(), carried=self._carried,
+            )  # fmt: skip
+            self._carried = fig.carried
+            growth, outside, profile_peak = fig.growth, fig.outside, fig.profile_peak
+            correction, whole = fig.correction, fig.whole
             if self.meter == "bytes":
                 counted = whole
             state = self._plan_from_profile(growth, outside, profile_peak, correction, whole)
