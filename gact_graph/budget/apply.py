@@ -96,7 +96,7 @@ from typing import Any
 import torch
 
 from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
-from gact_graph.budget.measure import profile_figures, segment_tensors
+from gact_graph.budget.measure import forward_lower_bound, profile_figures, segment_tensors
 from gact_graph.budget.planner import Unit, load_solver
 from gact_graph.budget.profile import (
     CodecTimer,
@@ -104,7 +104,6 @@ from gact_graph.budget.profile import (
     PeakBytes,
     StepMeter,
     TensorInfo,
-    compressed_bytes,
 )
 from gact_graph.budget.rectifier import replan
 from gact_graph.budget.report import METERS, budget_report
@@ -476,13 +475,6 @@ class BudgetPlanner:
         params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
         return 2 * largest + 3 * params
 
-    def _transient_lower_bound(self, tensors: list[TensorInfo]) -> int:
-        """What backward holds for certain beyond the saved bytes: the largest saved tensor
-        dequantized, and the trainable parameters' gradients (no optimizer is assumed)."""
-        largest = max((t.orig_bytes for t in tensors), default=0)
-        params = self.ctl.model.parameters()
-        return largest + sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
     def _check_lower_bound(self) -> None:
         """End of a profile step's forward: a lower bound on what any plan holds. Only shapes
         are known here (what segments save inside: their holders' shapes): every tensor at 1
@@ -500,23 +492,14 @@ class BudgetPlanner:
         tensors = every
         if self._may_recompute_next():
             tensors = [t for t in every if not self._in_segment(t)]
-        inner = []
-        for metas in self._meta.values():
-            for shape, dtype, _device in metas:
-                if dtype.is_floating_point and torch.Size(shape).numel() >= self.min_numel:
-                    inner.append(TensorInfo("", tuple(shape), torch.Size(shape).numel() * 4, True))
-        low_bits = 32 if self.lossless else 1
-        fixed = sum(t.fixed_bytes for t in tensors)
-        held = sum(
-            compressed_bytes(t.shape, low_bits, self.group_size) if low_bits < 32 else t.orig_bytes
-            for t in tensors
-            if t.quantizable
-        )
-        rest = self._rest()
-        floor = self._transient_lower_bound(every + inner)
-        # no margin: the profile step's own setting is admitted at its measured peak, which
-        # this bound may not exceed
-        need = rest + fixed + held + floor
+        params = self.ctl.model.parameters()
+        bound = forward_lower_bound(
+            tensors, every, [m for metas in self._meta.values() for m in metas],
+            rest=self._rest(),
+            trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            min_numel=self.min_numel, lossless=self.lossless, group_size=self.group_size,
+        )  # fmt: skip
+        need = bound.need
         self._lower_bound = need
         device = self._device
         if need > self.budget and device is not None and device.type == "cuda":
@@ -526,9 +509,10 @@ class BudgetPlanner:
                 self._end_live()
                 raise BudgetError(
                     f"gact_graph: memory_budget={format_bytes(self.budget)} cannot be met: even "
-                    f"every saved tensor at {low_bits} bit(s) and every segment recomputed "
-                    f"needs at least {format_bytes(need)} (rest {format_bytes(rest)}, saved "
-                    f"{format_bytes(fixed + held)}, backward at least {format_bytes(floor)}), "
+                    f"every saved tensor at {bound.bits} bit(s) and every segment recomputed "
+                    f"needs at least {format_bytes(need)} (rest {format_bytes(bound.rest)}, "
+                    f"saved {format_bytes(bound.saved)}, backward at least "
+                    f"{format_bytes(bound.backward)}), "
                     f"more than the device's {format_bytes(total)}: the smallest feasible "
                     f"budget is at least {format_bytes(need)}, a lower bound from the "
                     "forward's shapes (the profile step that would measure the admissible "

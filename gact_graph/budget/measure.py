@@ -1,5 +1,6 @@
 """Step measuring: the figures a finished profile step yields from its meters
-(`profile_figures`), and what a recomputed segment saved again (`segment_tensors`).
+(`profile_figures`), what a recomputed segment saved again (`segment_tensors`), and the
+lower bound a profile step's forward checks from its shapes (`forward_lower_bound`).
 `BudgetPlanner` owns the meters and the ledger and passes them in."""
 
 from __future__ import annotations
@@ -9,9 +10,15 @@ from typing import Any
 
 import torch
 
-from gact_graph.budget.profile import LiveBytes, PeakBytes, StepMeter, TensorInfo
+from gact_graph.budget.profile import LiveBytes, PeakBytes, StepMeter, TensorInfo, compressed_bytes
 
-__all__ = ["MeasuredProfile", "profile_figures", "segment_tensors"]
+__all__ = [
+    "LowerBound",
+    "MeasuredProfile",
+    "forward_lower_bound",
+    "profile_figures",
+    "segment_tensors",
+]
 
 
 @dataclass(frozen=True)
@@ -132,3 +139,51 @@ def segment_tensors(
         )
         held += stored.stored_bytes
     return infos, held
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """A lower bound on what any plan holds, from the forward's shapes: ``need`` =
+    ``rest`` + ``saved`` (fixed bytes and every quantizable tensor at ``bits``) +
+    ``backward`` (`forward_lower_bound`)."""
+
+    need: int
+    rest: int
+    saved: int
+    backward: int
+    bits: int
+
+
+def forward_lower_bound(
+    tensors: list[TensorInfo],
+    every: list[TensorInfo],
+    metas: list[tuple],
+    *,
+    rest: int,
+    trainable_bytes: int,
+    min_numel: int,
+    lossless: bool,
+    group_size: int,
+) -> LowerBound:
+    """What a profile step's forward says any plan holds at least: ``tensors`` (the saved
+    tensors a plan stores; of ``every`` saved tensor, the ones no recomputed segment may
+    drop) at the least width, plus ``rest``, plus backward's least transient: the largest
+    saved tensor (of ``every`` and of what segments save inside, ``metas``: shape, dtype,
+    device) dequantized in fp32, and the trainable parameters' gradients
+    (``trainable_bytes``; no optimizer is assumed)."""
+    inner = []
+    for shape, dtype, _device in metas:
+        if dtype.is_floating_point and torch.Size(shape).numel() >= min_numel:
+            inner.append(TensorInfo("", tuple(shape), torch.Size(shape).numel() * 4, True))
+    low_bits = 32 if lossless else 1
+    fixed = sum(t.fixed_bytes for t in tensors)
+    held = sum(
+        compressed_bytes(t.shape, low_bits, group_size) if low_bits < 32 else t.orig_bytes
+        for t in tensors
+        if t.quantizable
+    )
+    largest = max((t.orig_bytes for t in every + inner), default=0)
+    floor = largest + trainable_bytes
+    # no margin: the profile step's own setting is admitted at its measured peak, which this
+    # bound may not exceed
+    return LowerBound(rest + fixed + held + floor, rest, fixed + held, floor, low_bits)
