@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.budget_gcnii64 import StockGCNII
 from gact_graph import compress_gnn
 from gact_graph.budget import BudgetError
 from gact_graph.models import build_model
@@ -187,34 +188,13 @@ def test_budget_rectify_false_still_says_a_step_exceeded(monkeypatch):
     ctl.remove()
 
 
-class _GCNII(torch.nn.Module):
-    """Stock PyG GCNII: ``GCN2Conv`` layers with ``cached=True`` (each layer keeps its own
-    normalized graph from the first step on), a ``Linear`` in and out, dropout."""
-
-    def __init__(self, layers: int, width: int = 32) -> None:
-        from torch_geometric.nn import GCN2Conv
-
-        super().__init__()
-        self.lin_in = torch.nn.Linear(16, width)
-        self.lin_out = torch.nn.Linear(width, 4)
-        self.convs = torch.nn.ModuleList(
-            GCN2Conv(width, 0.1, 0.5, i + 1, cached=True) for i in range(layers)
-        )
-
-    def forward(self, x, ei):
-        x0 = h = self.lin_in(F.dropout(x, 0.1, self.training)).relu()
-        for conv in self.convs:
-            h = conv(F.dropout(h, 0.1, self.training), x0, ei).relu()
-        return self.lin_out(h)
-
-
 def _counted_steps(steps: int = 3, **kw) -> tuple[list[int], object]:
     """Every step's peak in counted tensor bytes (parameters, inputs and what earlier steps
     left alive included, as the planner's counted meter sees them), GCNII-24 on 1,500 nodes."""
     from gact_graph.budget.profile import PeakBytes
 
     torch.manual_seed(0)
-    model = _GCNII(24)
+    model = StockGCNII(16, 4, 24, 32)
     x, ei, y = _graph(1500)
     ei = torch.cat([ei, ei.flip(0)], 1)
     static = sum(p.untyped_storage().nbytes() for p in model.parameters())

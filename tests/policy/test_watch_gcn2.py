@@ -11,36 +11,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch_geometric.nn import GCN2Conv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.utils import subgraph
 
+from benchmarks.divergence import GCN2Net
 from gact_graph import compress_gnn
 
 NODES, STEPS, LR = 300, 40, 0.03
-
-
-class GCN2Net(nn.Module):
-    """``gcn2_cora.py``'s ``Net`` (edge weights from ``gcn_norm``, not a SparseTensor)."""
-
-    def __init__(self, in_channels, out_channels, hidden=64, num_layers=64, dropout=0.6):
-        super().__init__()
-        self.lins = nn.ModuleList([nn.Linear(in_channels, hidden), nn.Linear(hidden, out_channels)])
-        self.convs = nn.ModuleList(
-            GCN2Conv(hidden, 0.1, 0.5, layer + 1, shared_weights=False, normalize=False)
-            for layer in range(num_layers)
-        )
-        self.dropout = dropout
-
-    def forward(self, x, edge_index, edge_weight):
-        x = F.dropout(x, self.dropout, training=self.training)
-        x = x_0 = self.lins[0](x).relu()
-        for conv in self.convs:
-            x = F.dropout(x, self.dropout, training=self.training)
-            x = conv(x, x_0, edge_index, edge_weight).relu()
-        x = F.dropout(x, self.dropout, training=self.training)
-        return self.lins[1](x).log_softmax(dim=-1)
 
 
 def _run(cora, **kw):
@@ -51,7 +28,7 @@ def _run(cora, **kw):
     train = torch.zeros(NODES, dtype=torch.bool)
     train[: NODES // 5] = True
     torch.manual_seed(0)
-    net = GCN2Net(x.size(1), 7)
+    net = GCN2Net(x.size(1), 64, 7, shared_weights=False)
     opt = torch.optim.Adam(
         [
             dict(params=net.convs.parameters(), weight_decay=0.01),
