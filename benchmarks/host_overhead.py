@@ -12,6 +12,9 @@ that work on the CPU, where it is deterministic:
   ``unique``, ``equal``, ``masked_select``, ...), and calls of ``Tensor.item/tolist/cpu/numpy``
   and ``bool()``, each with the line of ``gact_graph`` that made it;
 * **allocations/step**: tensors the dispatched ops return, and their bytes;
+* **Python calls/step**: function calls cProfile counts in one steady-state step (Python
+  functions and the builtins they call), and how many of them are the pointwise mode's
+  ``__torch_function__`` (``gact_graph/ops/mode.py``);
 * **step time on a tiny graph**, where the arithmetic is negligible and the time is the host's
   (on CPU the median CPU time of the process, one thread: less sensitive than wall time to
   other processes on a shared machine; on CUDA wall time).
@@ -132,6 +135,25 @@ def _caller() -> str:
     return "?"
 
 
+def _python_calls(step) -> tuple[int, int]:
+    """(function calls, calls of the pointwise mode's ``__torch_function__``) in one ``step()``,
+    as cProfile counts them."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    mode = sum(
+        v[1]
+        for (path, _, name), v in stats.stats.items()
+        if name == "__torch_function__" and path.replace("\\", "/").endswith("ops/mode.py")
+    )
+    return stats.total_calls, mode
+
+
 class HostCalls:
     """Patches Tensor.item/tolist/cpu/numpy/__bool__ to count calls by caller while active."""
 
@@ -220,6 +242,7 @@ def main(argv=None) -> dict:
             counter, host = Counter(), HostCalls()
             with counter, host:
                 step()
+            py_calls, mode_calls = _python_calls(step)
             cuda_syncs = None
             if device.type == "cuda":  # the syncs CUDA reports, as warnings, in one step
                 torch.cuda.synchronize()
@@ -269,6 +292,8 @@ def main(argv=None) -> dict:
             "host_calls": sorted(
                 [[k[0], k[1], n] for k, n in host.calls.items()], key=lambda r: -r[2]
             ),
+            "py_calls_per_step": py_calls,
+            "mode_calls_per_step": mode_calls,
             "median_step_us": 1e6 * statistics.median(times),
             "cuda_syncs": cuda_syncs,
         }
@@ -280,6 +305,7 @@ def main(argv=None) -> dict:
         ratio = "" if ratio is None else f" ({ratio:.2f}x stock)"
         print(f"== {args.model} {m} {extra or ''}: {r['ops_per_step']} ops/step, "
               f"{r['allocs_per_step']} allocs ({r['alloc_bytes_per_step'] / 1e6:.2f} MB), "
+              f"{r['py_calls_per_step']} Python calls ({r['mode_calls_per_step']} in the mode), "
               f"{r['median_step_us']:.0f} us/step{ratio}")  # fmt: skip
         print("   top ops: " + ", ".join(f"{k} {n}" for k, n in r["top_ops"]))
         for name, where, n in r["top_alloc_bytes"]:

@@ -1,4 +1,5 @@
-"""Thread-local switches that nest: the probe's lean backward and once-per-graph work.
+"""Thread-local switches that nest: the probe's lean backward, once-per-graph work, and the
+package's own work stepping out of the forward's op-rewriting mode.
 
 `ThreadSwitch` is on in a thread while that thread runs inside ``on()`` (nested: until the
 outermost exits); other threads are not affected. Two of them live here:
@@ -15,13 +16,26 @@ outermost exits); other threads are not affected. Two of them live here:
   that meets the graph; later steps find it cached. What that work holds is part of the first
   step's peak but of no later step's, so the memory-budget planner, which predicts later steps
   from its profile step, counts it apart (`gact_graph.budget.profile.LiveBytes`).
+- **package work** (`package_work`): the forward runs inside a ``TorchFunctionMode`` that
+  rewrites the user's pointwise ops (`gact_graph.ops.mode`), and every torch call made while it
+  is the innermost mode pays a Python ``__torch_function__`` call, the package's own bookkeeping
+  too (the pack hook's storage and view look-ups, the adjacency cache's look-up, the SpMM
+  Function's forward). A function wrapped in `package_work` runs with such a mode taken off the
+  mode stack, and put back when it returns: the mode never rewrites what the package calls, so
+  only the Python calls go. A mode says it may be stepped past with the class attribute
+  `PACKAGE_MODE_ATTR`; any other mode (the user's own, a profiler's) stays where it is, and
+  tensor subclasses keep their ``__torch_function__``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
 
 __all__ = [
     "ThreadSwitch",
@@ -30,6 +44,8 @@ __all__ = [
     "is_scratch",
     "lean_backward",
     "once_per_graph",
+    "package_work",
+    "PACKAGE_MODE_ATTR",
     "scratch",
 ]
 
@@ -93,3 +109,35 @@ def is_once_per_graph() -> bool:
 def once_per_graph():
     """Work inside is done once per graph (a context manager; nests)."""
     return _ONCE.on()
+
+
+#: Class attribute (True) of a ``TorchFunctionMode`` that `package_work` steps past.
+PACKAGE_MODE_ATTR = "gact_graph_package_steps_aside"
+
+_stack_len = torch._C._len_torch_function_stack
+_stack_at = torch._C._get_function_stack_at
+_stack_pop = torch._C._pop_torch_function_stack
+_stack_push = torch._C._push_on_torch_function_stack
+_compiling = torch.compiler.is_compiling
+
+F = TypeVar("F", bound=Callable)
+
+
+def package_work(fn: F) -> F:
+    """``fn`` runs with the innermost torch-function mode taken off the stack when that mode
+    has `PACKAGE_MODE_ATTR` set (the forward's pointwise rewriting), and put back afterwards,
+    also on an exception. Only for the package's own work, which that mode never rewrites; under
+    ``torch.compile`` tracing the stack is left alone."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        n = _stack_len()
+        if not n or not getattr(_stack_at(n - 1), PACKAGE_MODE_ATTR, False) or _compiling():
+            return fn(*args, **kwargs)
+        mode = _stack_pop()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _stack_push(mode)
+
+    return wrapper  # type: ignore[return-value]

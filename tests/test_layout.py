@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gact_graph"
 ALLOWED = {
     "kernels": set(),
     "config": set(),
-    "core": {"kernels", "config"},
+    # switches: package_work, the pack hook's way past the forward's pointwise mode
+    "core": {"kernels", "config", "switches"},
     # kernels: the fused attention's Triton kernels (plain tensors in and out)
     "sparse": {"config", "kernels", "switches"},
     # core: RowChunked, which BatchNorm's backward reads in the probe's partial backwards

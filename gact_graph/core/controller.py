@@ -40,6 +40,7 @@ from gact_graph.core.saved import (
     view_key,
 )
 from gact_graph.kernels.bitpack import PackedMask, pack_mask
+from gact_graph.switches import package_work
 
 __all__ = ["Controller", "Stored", "mix_seed"]
 
@@ -471,6 +472,7 @@ class Controller:
         self._pack_counts[path] = k + 1
         return f"{path}#{k}"
 
+    @package_work  # bookkeeping: the forward's pointwise mode need not see its torch calls
     def _pack(self, t: torch.Tensor) -> Stored:
         if self._records_forward != self._forward_id:  # first save of a new forward
             self._records_forward = self._forward_id

@@ -9,11 +9,15 @@ forward hooks would miss the functional calls GNN code is full of, and monkey-pa
 ``torch.nn.functional`` would leak into other models and threads.
 
 Cost: the mode sees every torch call of the forward; for the ones it does not handle it pays
-one dict lookup on the function object before calling it untouched. A handler only intercepts
-when the call needs a gradient (grad mode on, the input requires grad) on a plain dense
-floating tensor with the arguments it understands; anything else — ``out=``, tensor bounds,
-tensor subclasses, ``p`` outside (0, 1), eval mode — returns ``NotImplemented`` and the
-original op runs exactly as without us.
+one dict lookup on the function object before calling it untouched. The package's own work
+inside the forward (the saved-tensor hook, the adjacency cache, the SpMM Function) is wrapped
+in `gact_graph.switches.package_work`, which takes this mode off the stack while it runs
+(``PACKAGE_MODE_ATTR``): the mode would never rewrite those calls, so it need not see them.
+
+A handler only intercepts when the call needs a gradient (grad mode on, the input requires
+grad) on a plain dense floating tensor with the arguments it understands; anything else —
+``out=``, tensor bounds, tensor subclasses, ``p`` outside (0, 1), eval mode — returns
+``NotImplemented`` and the original op runs exactly as without us.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from gact_graph.ops.masks import (
     LeakyReluMaskFunction,
     ReluMaskFunction,
 )
+from gact_graph.switches import PACKAGE_MODE_ATTR
 
 __all__ = ["PointwiseMode", "HANDLERS"]
 
@@ -284,16 +289,22 @@ class PointwiseMode(TorchFunctionMode):
         self.counts: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         try:
             handler = self.handlers.get(func)
         except TypeError:  # an unhashable callable
             handler = None
-        if handler is not None and not _inside_torch_checkpoint():
+        if handler is None:  # most calls: straight through
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
+        if not _inside_torch_checkpoint():
             out = handler(args, kwargs)
             if out is not NotImplemented:
                 name = getattr(func, "__name__", str(func))
                 self.counts[name] = self.counts.get(name, 0) + 1
                 return out
         return func(*args, **kwargs)
+
+
+# the package's own work steps past this mode (`gact_graph.switches.package_work`)
+setattr(PointwiseMode, PACKAGE_MODE_ATTR, True)

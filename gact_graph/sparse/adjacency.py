@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.switches import once_per_graph
+from gact_graph.switches import once_per_graph, package_work
 
 __all__ = [
     "CompactAdjacency",
@@ -860,6 +860,7 @@ def _build(
         return _from_edge_list(ei, w, num_nodes, external, keep_perm or external)
 
 
+@package_work  # a cache look-up: the forward's pointwise mode need not see its torch calls
 def get_adjacency(
     ctl,
     edge_index_or_adj: Any,

@@ -31,7 +31,7 @@ from gact_graph.sparse.adjacency import (
 from gact_graph.sparse.amp import add_into
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 from gact_graph.sparse.spmm import spmm
-from gact_graph.switches import once_per_graph
+from gact_graph.switches import once_per_graph, package_work
 
 __all__ = [
     "patch_gcn_conv",
@@ -107,8 +107,12 @@ def _patch(ctl, path: str, module, fused, reason_of) -> None:
     """Install ``forward`` = fused path when ``reason_of(args) is None``, else PyG's own."""
     original = module.forward
 
+    @package_work  # checks of shapes and types: the forward's pointwise mode need not see them
+    def reason(args, kwargs) -> str | None:
+        return message_passing_reason(module) or reason_of(*args, **kwargs)
+
     def forward(*args, **kwargs):
-        if _stays_generic(ctl, path, message_passing_reason(module) or reason_of(*args, **kwargs)):
+        if _stays_generic(ctl, path, reason(args, kwargs)):
             return original(*args, **kwargs)
         ctl.module_paths[path] = LABEL
         return fused(*args, **kwargs)

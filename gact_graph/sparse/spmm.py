@@ -35,6 +35,7 @@ from torch import Tensor
 from gact_graph.sparse.adjacency import CompactAdjacency
 from gact_graph.sparse.amp import autocast_enabled, autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
+from gact_graph.switches import package_work
 
 __all__ = ["SpmmFunction", "spmm", "spmm_reference", "DEFAULT_CHUNK_BYTES"]
 
@@ -127,6 +128,7 @@ class SpmmFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x, weight, adj, reduce, chunk_bytes):
         if reduce not in _REDUCES:
             raise ValueError(f"reduce must be one of {_REDUCES}, got {reduce!r}")
