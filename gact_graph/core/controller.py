@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
-from gact_graph.core.quantize import QTensor, exceeds_fp32_range, quantize
+from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
 from gact_graph.core.saved import (
     KINDS,
     StorageSet,
@@ -39,7 +39,7 @@ from gact_graph.core.saved import (
     view_bytes,
     view_key,
 )
-from gact_graph.kernels.bitpack import PackedMask, pack_mask
+from gact_graph.kernels.bitpack import PackedMask
 from gact_graph.switches import package_work
 
 __all__ = ["Controller", "Stored", "mix_seed"]
@@ -514,7 +514,7 @@ class Controller:
         if lossless is not None and not lossless[0].expired():
             return Stored(name, lossless[1], t, None, nbytes, nbytes, t._version)
         if t.dtype == torch.bool:
-            packed: PackedMask = pack_mask(t)
+            packed: PackedMask = pack_bool_mask(t)
             return Stored(name, "mask", packed, None, nbytes, packed.nbytes)
         if not t.is_floating_point():
             return Stored(name, "index", t, None, nbytes, nbytes, t._version)

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.kernels.bitpack import SUPPORTED_BITS
+from gact_graph.kernels.bitpack import SUPPORTED_BITS, PackedMask, pack_mask
 from gact_graph.kernels.layout import META_BYTES_PER_GROUP, GroupLayout, group_layout
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "exceeds_fp32_range",
     "group_layout",
+    "pack_bool_mask",
     "quantize",
 ]
 
@@ -233,3 +234,17 @@ def quantize(x: Tensor, bits: int, group_size: int = 256, seed: int | None = Non
     fn = kq.triton_quantize if _use_triton(x) else kq.quantize_reference
     packed, meta = fn(x, bits, layout, seed)
     return QTensor(packed, meta, bits, x.shape, x.dtype, layout, seed)
+
+
+def pack_bool_mask(mask: Tensor) -> PackedMask:
+    """``mask`` (bool) at 1 bit per element, as `gact_graph.kernels.bitpack.pack_mask` packs it:
+    on CUDA with Triton in one launch (`gact_graph.kernels.mask_pack`), same bytes; elsewhere
+    the PyTorch packing."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool, got {mask.dtype}")
+    if not _use_triton(mask):
+        return pack_mask(mask)
+    from gact_graph.kernels.mask_pack import triton_pack_mask  # imports Triton
+
+    codes = mask.reshape(-1).contiguous().view(torch.uint8)
+    return PackedMask(triton_pack_mask(codes), mask.shape)

@@ -1,0 +1,134 @@
+"""The one-launch mask packing (`gact_graph.kernels.mask_pack`) writes the bytes of the PyTorch
+packing (`gact_graph.kernels.bitpack.pack_mask`) for sizes around a byte and a block, any
+shape and strides, and the controller stores masks through it (`pack_bool_mask`) with the same
+bytes, gradients and stats.
+
+The kernel runs on CUDA, or on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, set before
+Triton is imported): ``test_interpreter_in_subprocess`` re-runs this file so.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gact_graph.core.quantize import pack_bool_mask
+from gact_graph.kernels.bitpack import PackedMask, pack_mask
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+# marked cuda too: the GPU suite's ``pytest -m cuda`` runs them compiled on the device
+needs_kernel = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
+        reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+    ),
+]
+
+
+def _kernel(f):
+    for mark in needs_kernel:
+        f = mark(f)
+    return f
+
+
+def _mask(shape, seed, p=0.4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=gen) > p).to(DEVICE)
+
+
+@_kernel
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1023 * 8, 1024 * 8, 1024 * 8 + 1, 30001])
+def test_kernel_writes_the_pytorch_packing(n):
+    from gact_graph.kernels.mask_pack import triton_pack_mask
+
+    mask = _mask((n,), n)
+    got = triton_pack_mask(mask.view(torch.uint8))
+    want = pack_mask(mask.cpu()).data
+    assert got.dtype == torch.uint8 and got.device.type == DEVICE
+    assert torch.equal(got.cpu(), want)
+    if n:  # every bit matters: all-ones and all-zeros masks too
+        ones = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        want = pack_mask(ones.cpu()).data
+        assert torch.equal(triton_pack_mask(ones.view(torch.uint8)).cpu(), want)
+        zeros = torch.zeros(n, dtype=torch.bool, device=DEVICE)
+        assert not triton_pack_mask(zeros.view(torch.uint8)).any()
+
+
+@_kernel
+@pytest.mark.parametrize("make", ["shape", "transposed", "strided", "scalar"])
+def test_pack_bool_mask_takes_any_layout(monkeypatch, make):
+    monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
+    base = _mask((37, 29), 3)
+    mask = {
+        "shape": base.view(37, 29),
+        "transposed": base.t(),
+        "strided": base[:, ::3],
+        "scalar": base[0, 0],
+    }[make]
+    packed = pack_bool_mask(mask)
+    assert isinstance(packed, PackedMask) and packed.shape == mask.shape
+    assert torch.equal(packed.data.cpu(), pack_mask(mask.cpu()).data)
+    assert torch.equal(packed.unpack(), mask)
+
+
+def test_pack_bool_mask_rejects_non_bool():
+    with pytest.raises(TypeError, match="bool"):
+        pack_bool_mask(torch.zeros(4))
+
+
+@_kernel
+def test_controller_stores_masks_with_the_kernel(monkeypatch):
+    """A compressed forward with ReLU masks gives the same gradients and stats through the
+    kernel as through the PyTorch packing."""
+    from gact_graph import compress_gnn
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 33), torch.nn.ReLU(),
+            torch.nn.Linear(33, 4),
+        ).to(DEVICE)  # fmt: skip
+        ctl = compress_gnn(model, bits=2, adaptive=False, min_bytes=0)
+        x = torch.randn(50, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        model(x).square().sum().backward()
+        masks = [t for t in ctl.stats()["tensors"] if t["kind"] == "mask"]
+        grads = [p.grad.cpu() for p in model.parameters()]
+        ctl.remove()
+        return masks, grads
+
+    from gact_graph.kernels import mask_pack
+
+    calls = []
+    kernel = mask_pack.triton_pack_mask
+    monkeypatch.setattr(mask_pack, "triton_pack_mask", lambda t: calls.append(1) or kernel(t))
+    ref_masks, ref_grads = run()
+    assert DEVICE == "cuda" or not calls  # on CPU, unforced: the PyTorch packing
+    monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
+    masks, grads = run()
+    assert len(calls) >= 2  # each ReLU's mask went through the kernel
+    assert len(masks) == 2 and masks == ref_masks
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+
+
+def test_interpreter_in_subprocess():
+    if not HAS_TRITON:
+        pytest.skip("needs Triton")
+    if INTERPRETED:
+        pytest.skip("already interpreted")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "not subprocess", "-W", "ignore::RuntimeWarning"]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
