@@ -236,6 +236,7 @@ class Controller:
         """Enter ``factory()`` around every forward of the model (e.g. a TorchFunctionMode)."""
         self._context_factories.append(factory)
 
+    @package_work  # a storage look-up: the forward's pointwise mode need not see it
     def keep_lossless(self, t: torch.Tensor, kind: str = "index") -> None:
         """Store ``t`` (and any view of its storage) losslessly, as ``kind``, whenever it is
         saved: e.g. the edge weights of a shared adjacency, which must never be quantized.

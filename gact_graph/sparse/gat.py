@@ -90,7 +90,7 @@ from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import add_into, autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
-from gact_graph.switches import is_lean
+from gact_graph.switches import is_lean, package_work
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -443,6 +443,7 @@ class GatAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_src, a_src, a_dst, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
         _check_common(x_src, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
@@ -581,6 +582,7 @@ EDGE_KERNEL = "auto"
 _EDGE_KERNELS = ("auto", "triton", "chunked")
 
 
+@package_work  # checks of devices and dtypes: nothing the forward's pointwise mode rewrites
 def fused_kernel_applies(x: Tensor, logits: Tensor, dropout: float, lossless: bool) -> bool:
     """Whether the fused kernels run an edge stage of features ``x`` and node logits ``logits``
     under `EDGE_KERNEL`: Triton installed, a CUDA tensor (or the kernels forced), fp32 / bf16 /
@@ -616,6 +618,7 @@ class GatFusedFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
                 dropout, keep_lossless):  # fmt: skip
         from gact_graph.kernels import gat_edge
@@ -682,6 +685,7 @@ class GatV2FusedFunction(torch.autograd.Function):
     one, and in half precision their exponentials overflow."""
 
     @staticmethod
+    @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
                 dropout, recompute_stats):  # fmt: skip
         from gact_graph.kernels import gat_edge
@@ -795,6 +799,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_l, x_r, att, rowptr, col, negative_slope, dropout, perm, chunk_bytes):
         _check_common(x_l, rowptr, col, dropout, perm)
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
@@ -985,6 +990,7 @@ def _attention_reason(module, edge_index, edge_attr, return_attention_weights) -
     return _message_passing_reason(module, edge_index)
 
 
+@package_work  # checks of types and shapes: nothing the forward's pointwise mode rewrites
 def _gat_reason(module, x, edge_index, edge_attr, size, return_attention_weights) -> str | None:
     reason = _attention_reason(module, edge_index, edge_attr, return_attention_weights)
     if reason is not None:
@@ -1006,6 +1012,7 @@ def _dropout_reason(module, x) -> str | None:
     return None
 
 
+@package_work  # products, sums and a matmul: nothing the forward's pointwise mode rewrites
 def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     """``<lin(h)_i, att>`` per head (N x H, in ``dtype``) for each ``(lin, att)`` of ``pairs``,
     computed as ``h @ (W^T att)``: from the projection's input, never from its (quantized)
@@ -1034,6 +1041,7 @@ def _node_logits(ctl, h: Tensor, pairs, dtype: torch.dtype) -> list[Tensor]:
     return [part.contiguous() for part in logits.split([b.shape[0] for b in blocks], dim=1)]
 
 
+@package_work  # sums, a mean and a view: nothing the forward's pointwise mode rewrites
 def _finish(module, out: Tensor, res: Tensor | None) -> Tensor:
     """Stock's end of a GAT layer: heads concatenated (or averaged), plus the residual, plus
     the bias, summed into the edge stage's output (`add_into`) while it is still N x H x C,
@@ -1097,6 +1105,7 @@ def _gat_fused_forward(ctl, module, x, edge_index) -> Tensor:
     return _finish(module, out, res)
 
 
+@package_work  # checks of types and shapes: nothing the forward's pointwise mode rewrites
 def _gatv2_reason(module, x, edge_index, edge_attr, return_attention_weights) -> str | None:
     reason = _attention_reason(module, edge_index, edge_attr, return_attention_weights)
     if reason is not None:

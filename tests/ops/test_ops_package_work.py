@@ -1,8 +1,14 @@
 """The package's own work steps past the forward's pointwise mode (`switches.package_work`):
-the mode no longer sees the pack hook's, the adjacency cache's or the SpMM's torch calls, sees
-every call of the user's forward as before, and other modes are left where they are."""
+the mode no longer sees the pack hook's, the adjacency cache's, the SpMM's or the fused graph
+attention's torch calls, sees every call of the user's forward as before, and other modes are
+left where they are. A compressed GCN, GAT and GATv2 forward + backward give the same output,
+gradients, stored payloads and stats, bit for bit, as with a mode that sees every call (the
+package's work routed through it, as if `package_work` did nothing)."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -11,10 +17,12 @@ from torch.overrides import TorchFunctionMode
 
 from gact_graph import compress_gnn
 from gact_graph.ops.mode import PointwiseMode
-from gact_graph.switches import package_work
+from gact_graph.switches import PACKAGE_MODE_ATTR, package_work
 
 pytest.importorskip("torch_geometric")
-from torch_geometric.nn import GCNConv  # noqa: E402
+from torch_geometric.nn import GATConv, GATv2Conv, GCNConv  # noqa: E402
+
+from gact_graph.sparse import gat as sgat  # noqa: E402
 
 
 class Seen(TorchFunctionMode):
@@ -37,6 +45,14 @@ class SeenPointwise(PointwiseMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.funcs.append(getattr(func, "__name__", str(func)))
         return super().__torch_function__(func, types, args, kwargs)
+
+
+class SeesAll(SeenPointwise):
+    """The recording pointwise mode with `package_work` stepping past it switched off: it is
+    handed the package's own calls too, as the mode was before `package_work`."""
+
+
+setattr(SeesAll, PACKAGE_MODE_ATTR, False)
 
 
 def test_steps_past_the_pointwise_mode_only_and_puts_it_back():
@@ -83,6 +99,27 @@ class Net(torch.nn.Module):
         return self.conv2(h, edge_index)
 
 
+class AttentionNet(torch.nn.Module):
+    """Two attention layers (attention dropout on) with the user's ELU and dropout between."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv1 = conv(8, 4, heads=3, dropout=0.3)
+        self.conv2 = conv(12, 4, heads=1, dropout=0.3)
+
+    def forward(self, x, edge_index):
+        h = F.elu(self.conv1(x, edge_index))
+        h = F.dropout(h, p=0.5, training=self.training)
+        return self.conv2(h, edge_index)
+
+
+MODELS = {
+    "gcn": Net,
+    "gat": lambda: AttentionNet(GATConv),
+    "gatv2": lambda: AttentionNet(GATv2Conv),
+}
+
+
 def _graph():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 8, generator=g)
@@ -90,33 +127,118 @@ def _graph():
     return x, ei
 
 
-def _run(mode_factory=None):
+def _payload(stored) -> list:
+    """What a stored tensor holds, as comparable items (tensors cloned)."""
+    p = stored.payload
+    if isinstance(p, torch.Tensor):
+        return [p.detach().clone()]
+    if dataclasses.is_dataclass(p):
+        items = [getattr(p, f.name) for f in dataclasses.fields(p)]
+        return [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in items]
+    with torch.no_grad():  # a graph-aware store: what it hands back
+        return [type(p).__name__, stored.unpack().detach().clone()]
+
+
+def _run(model="gcn", mode_factory=None):
     torch.manual_seed(0)
-    model = Net()
-    ctl = compress_gnn(model, bits=2, adaptive=False)
+    net = MODELS[model]()
+    ctl = compress_gnn(net, bits=2, adaptive=False)
     seen = []
     if mode_factory is not None:  # swap the installed pointwise mode for a recording one
         ctl._context_factories[:] = [lambda: seen.append(mode_factory()) or seen[-1]]
+    stored = []
+    pack = ctl._pack  # record what the pack hook stores (the hook is looked up per forward)
+    ctl._pack = lambda t: stored.append(pack(t)) or stored[-1]
     x, ei = _graph()
     torch.manual_seed(1)
-    out = model(x, ei)
+    out = net(x, ei)
+    saved = [(s.name, s.kind, s.bits, s.stored_bytes, _payload(s)) for s in stored]
+    del stored[:]
     out.square().sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in net.parameters()]
     stats = ctl.stats()["total"]
+    paths = dict(ctl.module_paths)
     ctl.remove()
-    return out.detach(), grads, stats, seen
+    return {"out": out.detach(), "grads": grads, "saved": saved, "stats": stats,
+            "seen": seen, "paths": paths, "rng": torch.get_rng_state()}  # fmt: skip
+
+
+def _assert_same_bits(a, b):
+    torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0)
+    assert len(a["grads"]) == len(b["grads"])
+    for g, r in zip(a["grads"], b["grads"]):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert len(a["saved"]) == len(b["saved"])
+    for sa, sb in zip(a["saved"], b["saved"]):
+        assert sa[:4] == sb[:4]
+        assert len(sa[4]) == len(sb[4])
+        for u, v in zip(sa[4], sb[4]):
+            if isinstance(u, torch.Tensor):
+                assert u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v), sa[0]
+            else:
+                assert u == v, sa[0]
+    assert a["stats"] == b["stats"]
+    assert torch.equal(a["rng"], b["rng"])  # the same draws were made
 
 
 def test_a_compressed_forward_hands_the_mode_only_the_users_calls():
-    out, grads, stats, seen = _run(SeenPointwise)
-    funcs = [f for m in seen for f in m.funcs]
+    new = _run("gcn", SeenPointwise)
+    funcs = [f for m in new["seen"] for f in m.funcs]
     # the pack hook's storage and view look-ups and the cache's checks are not among them
-    for own in ("untyped_storage", "storage_offset", "stride", "equal", "sparse_csr_tensor"):
-        assert own not in funcs, own
+    own = ("untyped_storage", "storage_offset", "stride", "equal", "sparse_csr_tensor")
+    for name in own:
+        assert name not in funcs, name
     assert {"relu", "dropout"} <= set(funcs)  # the user's ops still reach the mode ...
-    assert seen[0].counts.get("relu") == 1 and seen[0].counts.get("dropout") == 1  # rewritten
-    ref_out, ref_grads, ref_stats, _ = _run()  # ... and nothing else changes
-    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=0, atol=0)
-    assert stats == ref_stats
+    assert new["seen"][0].counts.get("relu") == 1 and new["seen"][0].counts.get("dropout") == 1
+    ref = _run("gcn", SeesAll)  # ... and nothing else changes
+    ref_funcs = [f for m in ref["seen"] for f in m.funcs]
+    assert {"untyped_storage", "storage_offset"} <= set(ref_funcs)  # the names above are reached
+    assert ref["seen"][0].counts == new["seen"][0].counts
+    _assert_same_bits(new, ref)
+
+
+#: torch calls of the chunked edge stage (`GatAttentionFunction`, `GatV2AttentionFunction`),
+#: the node logits and the layer's checks, none of which the mode rewrites
+ATTENTION_OWN = ("index_add_", "scatter_reduce_", "searchsorted", "cumsum_", "bernoulli_",
+                 "untyped_storage")  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["gat", "gatv2"])
+def test_a_compressed_attention_forward_hands_the_mode_only_the_users_calls(model):
+    new = _run(model, SeenPointwise)
+    assert new["paths"]["conv1"] == new["paths"]["conv2"] == "sparse-fused"  # patched stage
+    funcs = [f for m in new["seen"] for f in m.funcs]
+    for name in ATTENTION_OWN:
+        assert name not in funcs, name
+    assert {"linear", "elu", "dropout"} <= set(funcs)  # the user's projections and ops
+    counts = new["seen"][0].counts
+    assert counts.get("elu") == 1 and counts.get("dropout") == 1  # still rewritten
+    ref = _run(model, SeesAll)
+    ref_funcs = set(f for m in ref["seen"] for f in m.funcs)
+    assert set(ATTENTION_OWN) <= ref_funcs  # the names above are reached by the layer's work
+    assert len(ref_funcs) > len(set(funcs))
+    assert ref["seen"][0].counts == counts
+    _assert_same_bits(new, ref)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(
+    not sgat.triton_available() or not (INTERPRETED or torch.cuda.is_available()),
+    reason="the fused kernels need Triton and CUDA or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("model", ["gat", "gatv2"])
+def test_the_fused_kernels_forward_steps_past_the_mode_too(model, monkeypatch):
+    """On CPU only under ``TRITON_INTERPRET=1`` (tensors stay on CPU: the kernels' forward is
+    what is checked)."""
+    if not INTERPRETED:
+        pytest.skip("the models here run on CPU tensors")
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    new = _run(model, SeenPointwise)
+    ref = _run(model, SeesAll)
+    funcs = set(f for m in new["seen"] for f in m.funcs)
+    ref_funcs = set(f for m in ref["seen"] for f in m.funcs)
+    assert "untyped_storage" in ref_funcs and "untyped_storage" not in funcs
+    assert ref_funcs - funcs - {"linear", "elu", "dropout"}  # the kernels' wrappers' calls
+    _assert_same_bits(new, ref)
