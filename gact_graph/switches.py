@@ -20,11 +20,11 @@ outermost exits); other threads are not affected. Two of them live here:
   rewrites the user's pointwise ops (`gact_graph.ops.mode`), and every torch call made while it
   is the innermost mode pays a Python ``__torch_function__`` call, the package's own bookkeeping
   too (the pack hook's storage and view look-ups, the adjacency cache's look-up, the SpMM
-  Function's forward). A function wrapped in `package_work` runs with such a mode taken off the
-  mode stack, and put back when it returns: the mode never rewrites what the package calls, so
-  only the Python calls go. A mode says it may be stepped past with the class attribute
-  `PACKAGE_MODE_ATTR`; any other mode (the user's own, a profiler's) stays where it is, and
-  tensor subclasses keep their ``__torch_function__``.
+  and graph-attention Functions' forwards). A function wrapped in `package_work` runs with
+  such a mode taken off the mode stack, and put back when it returns: the mode never rewrites
+  what the package calls, so only the Python calls go. A mode says it may be stepped past with
+  the class attribute `PACKAGE_MODE_ATTR`; any other mode (the user's own, a profiler's) stays
+  where it is, and tensor subclasses keep their ``__torch_function__``.
 """
 
 from __future__ import annotations

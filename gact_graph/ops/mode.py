@@ -10,9 +10,10 @@ forward hooks would miss the functional calls GNN code is full of, and monkey-pa
 
 Cost: the mode sees every torch call of the forward; for the ones it does not handle it pays
 one dict lookup on the function object before calling it untouched. The package's own work
-inside the forward (the saved-tensor hook, the adjacency cache, the SpMM Function) is wrapped
-in `gact_graph.switches.package_work`, which takes this mode off the stack while it runs
-(``PACKAGE_MODE_ATTR``): the mode would never rewrite those calls, so it need not see them.
+inside the forward (the saved-tensor hook, the adjacency cache, the SpMM and graph-attention
+Functions) is wrapped in `gact_graph.switches.package_work`, which takes this mode off the stack
+while it runs (``PACKAGE_MODE_ATTR``): the mode would never rewrite those calls, so it need not
+see them.
 
 A handler only intercepts when the call needs a gradient (grad mode on, the input requires
 grad) on a plain dense floating tensor with the arguments it understands; anything else —
