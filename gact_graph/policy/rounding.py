@@ -80,9 +80,7 @@ def group_steps(q: QTensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, lo, 0.0)[:, None], torch.where(ok, scale, 0.0)[:, None]
 
 
-def rounding_variance_factors(
-    x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0
-) -> Tensor:
+def rounding_variance_factors(x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0) -> Tensor:
     """`rounding_variance_factor` for ``on="x"`` and ``on="x_hat"`` from one sample of
     elements, as a 2-element fp32 tensor on ``x``'s device: nothing is read back to the host
     (the probe calls this in the forward, once per compressed tensor, and reads every
@@ -138,16 +136,17 @@ def rounding_variance_factor(
 #: elements per chunk when the probe walks a tensor: its temporaries stay ~1 MB, never
 #: tensor-sized (a probed step must not hold a second copy of the tensor) ...
 CHUNK_ELEMS = 1 << 18
-#: ... or a tensor is walked in at most this many chunks: each chunk costs a dozen small
-#: operations (kernel launches on a GPU), so a tensor of tens of millions of elements is walked
-#: in chunks of a sixty-fourth of it (temporaries of a few percent of the tensor) rather than
-#: in hundreds of launch-bound ones
+#: ... or a tensor is walked in about this many chunks where that keeps fewer: each chunk
+#: costs a dozen small operations (kernel launches on a GPU), so a tensor of tens of millions
+#: of elements is walked in chunks of a sixty-fourth of it (temporaries of a few percent of
+#: the tensor) rather than in hundreds of launch-bound ones
 MAX_CHUNKS = 64
 
 
 def chunk_elems(numel: int) -> int:
     """Elements per chunk for a probe's walk over a tensor of ``numel`` elements: `CHUNK_ELEMS`,
-    or more where that would take over `MAX_CHUNKS` chunks."""
+    or ``numel / MAX_CHUNKS`` where that is more (`row_ranges` rounds it to whole rows, so a
+    tensor takes about `MAX_CHUNKS` chunks, never far more)."""
     return max(CHUNK_ELEMS, -(-numel // MAX_CHUNKS))
 
 
