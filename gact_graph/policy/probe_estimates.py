@@ -17,8 +17,8 @@ from torch.autograd.graph import GradientEdge
 from gact_graph.core.quantize import QTensor, quantize
 from gact_graph.policy.probe_walk import Seeds, parameters_only, shares_storage
 from gact_graph.policy.rounding import (
-    CHUNK_ELEMS,
     add_rounding_noise_,
+    chunk_elems,
     rounding_variance_factor,
     row_rounding_variance,
     stable_seed,
@@ -93,7 +93,9 @@ class ProbeEstimates:
         if tuple(shape) != mat1:
             return False
         k, exact = self._matmul_k[id(node)]
-        row_var = row_rounding_variance(stored.payload, *counts)
+        factors = self._factors(stored)
+        kappa = 1.0 if factors is None else factors[0]
+        row_var = row_rounding_variance(stored.payload, counts, kappa)
         g = grad_outputs[0]
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if exact:
@@ -120,7 +122,7 @@ class ProbeEstimates:
         gen = torch.Generator(device=g.device)
         gen.manual_seed(stable_seed(self.seed, stored.name, "sketch", n))
         delta = torch.zeros(cols, g.shape[1], dtype=torch.float32, device=g.device)
-        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        step = max(1, chunk_elems(rows * cols) // max(cols, 1))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             z = torch.randint(0, 2, (r1 - r0, cols), generator=gen, device=g.device)
@@ -139,7 +141,9 @@ class ProbeEstimates:
         noisy = x_hat if reusable and x_hat.is_contiguous() else x_hat.contiguous().clone()
         if isinstance(p, QTensor):
             bits = p.bits
-            add_rounding_noise_(p, noisy, seed, self._kappa.get(stored, 1.0))
+            # the replay draws its noise on the non-zeros of the dequantized copy
+            factors = self._factors(stored)
+            add_rounding_noise_(p, noisy, seed, 1.0 if factors is None else factors[1])
         else:  # kept as is (planned 32 bits): the noise 8-bit rounding would add
             bits = 8
             q8 = quantize(p.detach(), 8, self.ctl.config.group_size, seed=0)

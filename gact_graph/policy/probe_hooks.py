@@ -19,7 +19,7 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor
 from gact_graph.core.saved import tensors_in
 from gact_graph.policy.probe_estimates import matmul_kind
-from gact_graph.policy.rounding import nonzero_counts, rounding_variance_factor, stable_seed
+from gact_graph.policy.rounding import nonzero_counts, rounding_variance_factors, stable_seed
 from gact_graph.switches import lean_backward
 
 __all__ = ["ProbeHooks"]
@@ -118,13 +118,28 @@ class ProbeHooks:
             # until the probe's estimate, which a step without the probe never holds
             with torch.no_grad(), lean_backward():
                 seed = stable_seed(self.seed, stored.name, "kappa")
-                kappa = rounding_variance_factor(t, p, seed=seed)
-                # the replay draws its noise on the non-zeros of the dequantized copy
-                self._kappa[stored] = rounding_variance_factor(t, p, seed=seed, on="x_hat")
+                # on the device, read with every other tensor's when backward first needs one
+                # (`_factors`): no host sync in the forward
+                self._kappa[stored] = rounding_variance_factors(t, p, seed=seed)
                 if self.closed_form and t.dim() == 2:  # what a matmul may read
-                    self._nonzeros[stored] = (nonzero_counts(t, p), kappa)
+                    self._nonzeros[stored] = nonzero_counts(t, p)
             self.seconds += time.perf_counter() - t0
         return stored
+
+    def _factors(self, stored) -> tuple[float, float] | None:
+        """``(kappa on x, kappa on x_hat)`` of ``stored`` (`rounding_variance_factors`, taken
+        when it was packed), or ``None`` when it has none. The first call reads the factors of
+        every tensor packed so far in one transfer per device."""
+        kappa = self._kappa.get(stored)
+        if isinstance(kappa, Tensor):
+            waiting = [(k, v) for k, v in self._kappa.items() if isinstance(v, Tensor)]
+            for dev in {v.device for _, v in waiting}:
+                group = [(k, v) for k, v in waiting if v.device == dev]
+                values = torch.stack([v for _, v in group]).tolist()
+                for (k, _), pair in zip(group, values):
+                    self._kappa[k] = (float(pair[0]), float(pair[1]))
+            kappa = self._kappa.get(stored)
+        return kappa
 
     def _unpack(self, stored, inner):
         over = self._override.get(id(stored))

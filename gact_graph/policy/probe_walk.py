@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["ProbeWalk", "Seeds", "parameters_only", "shares_storage"]
+__all__ = ["ProbeWalk", "Seeds", "parameters_only", "passes_through", "shares_storage"]
 
 
 def shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
@@ -50,6 +50,33 @@ def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
                 return False
             stack.append(nxt)
     return True
+
+
+#: autograd nodes whose backward moves a gradient without computing on it (a view, a copy, a
+#: sum's pass-through, a split's concatenation): a walk runs them inside the call of the node
+#: that feeds them rather than in a call of their own. Not ``TBackward0``: it mostly leads a
+#: matmul's gradient to a weight, which the walk keeps for the partial backward that ends it
+#: (`parameters_only`); passed through, that gradient reached the accumulated sums during the
+#: walk instead, a parameter-sized float64 tensor more at the walk's peak
+_PASS_THROUGH = frozenset(
+    {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "CloneBackward0",
+     "TransposeBackward0", "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+     "SqueezeBackward1", "AddBackward0", "SplitWithSizesBackward0", "SplitBackward0"}
+)  # fmt: skip
+
+
+def passes_through(fn) -> bool:
+    """Whether the walk runs ``fn`` (a C++ node named in `_PASS_THROUGH` with somewhere to send
+    its gradients) inside the call of the node that feeds it. The walk's sum stays the same:
+    a node run in two calls on two parts of its gradient gives the sum of its two results
+    (backward is linear in the incoming gradient)."""
+    if not callable(fn) or getattr(fn, "variable", None) is not None:
+        return False
+    try:
+        name = fn.name()
+    except Exception:  # Python nodes without a name
+        return False
+    return name in _PASS_THROUGH and any(nxt is not None for nxt, _ in fn.next_functions)
 
 
 class Seeds:
@@ -176,9 +203,15 @@ class ProbeWalk:
         its unpacks per backward pass). What reaches a parameter is added to ``acc``; returns
         the edges and gradients it sends further."""
         targets: dict[tuple[int, int], GradientEdge] = {}
-        for nxt, nnr in fn.next_functions:
-            if nxt is not None:
-                targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
+        stack = list(fn.next_functions)
+        while stack:
+            nxt, nnr = stack.pop()
+            if nxt is None:
+                continue
+            if passes_through(nxt):  # run in this call, on the way to the nodes below it
+                stack.extend(nxt.next_functions)
+                continue
+            targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
         ins = list(targets.values())
         held = list(grads)
         grads.clear()

@@ -24,6 +24,8 @@ from gact_graph.core.quantize import QTensor
 
 __all__ = [
     "CHUNK_ELEMS",
+    "MAX_CHUNKS",
+    "chunk_elems",
     "S",
     "add_rounding_noise_",
     "element_step",
@@ -31,6 +33,7 @@ __all__ = [
     "nonzero_counts",
     "per_element",
     "rounding_variance_factor",
+    "rounding_variance_factors",
     "row_rounding_variance",
     "stable_seed",
 ]
@@ -77,23 +80,14 @@ def group_steps(q: QTensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, lo, 0.0)[:, None], torch.where(ok, scale, 0.0)[:, None]
 
 
-def rounding_variance_factor(
-    x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0, on: str = "x"
-) -> float:
-    """How the true stochastic-rounding variance of ``x`` quantized as ``q`` compares with the
-    uniform-fraction model ``step^2 / 6`` on its non-zero elements:
-    ``kappa = 6 * sum(step^2 f (1 - f)) / sum(step^2 [x != 0])`` over a random sample of
-    elements (``f``: fractional position between two levels). 1 for smooth data, below 1 for
-    skewed groups, 0 when every value sits on a level (binary or one-hot features, which
-    stochastic rounding keeps exact). Costs ``samples`` gathers, whatever the tensor's size.
-
-    ``on="x_hat"`` gives the factor for noise drawn on the non-zeros of a *dequantized* copy
-    instead (what the replay sees): an element that rounds onto a level at 0 is zero there,
-    so the denominator counts ``P(x_hat != 0)`` instead of ``[x != 0]``; without it the
-    replay would underestimate tensors with many values near 0 (ReLU outputs at few bits)."""
+def rounding_variance_factors(x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0) -> Tensor:
+    """`rounding_variance_factor` for ``on="x"`` and ``on="x_hat"`` from one sample of
+    elements, as a 2-element fp32 tensor on ``x``'s device: nothing is read back to the host
+    (the probe calls this in the forward, once per compressed tensor, and reads every
+    tensor's factors at once when its backward first needs one)."""
     n = x.numel()
     if n == 0 or q.num_groups == 0:
-        return 1.0
+        return torch.ones(2, dtype=torch.float32, device=x.device)
     lay = q.layout
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
@@ -110,21 +104,50 @@ def rounding_variance_factor(
     f = u - torch.floor(u)
     ff = torch.nan_to_num(f * (1 - f), nan=0.0).clamp_(0.0, 0.25)
     st2 = torch.where(st_s > 0, st_s.square(), 0.0)
-    if on == "x_hat":
-        lower = lo_s + (u - f) * st_s
-        p_zero = (1 - f) * (lower == 0) + f * ((lower + st_s) == 0)
-        nonzero = torch.nan_to_num(1 - p_zero, nan=0.0).clamp_(0.0, 1.0)
-    elif on == "x":
-        nonzero = (xs != 0).float()
-    else:
+    lower = lo_s + (u - f) * st_s
+    p_zero = (1 - f) * (lower == 0) + f * ((lower + st_s) == 0)
+    on_x_hat = torch.nan_to_num(1 - p_zero, nan=0.0).clamp_(0.0, 1.0)
+    nonzero = torch.stack([(xs != 0).float(), on_x_hat])
+    den = (nonzero * st2).sum(1)
+    num = 6.0 * (st2 * ff).sum()
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 1.0)
+
+
+def rounding_variance_factor(
+    x: Tensor, q: QTensor, samples: int = 16384, seed: int = 0, on: str = "x"
+) -> float:
+    """How the true stochastic-rounding variance of ``x`` quantized as ``q`` compares with the
+    uniform-fraction model ``step^2 / 6`` on its non-zero elements:
+    ``kappa = 6 * sum(step^2 f (1 - f)) / sum(step^2 [x != 0])`` over a random sample of
+    elements (``f``: fractional position between two levels). 1 for smooth data, below 1 for
+    skewed groups, 0 when every value sits on a level (binary or one-hot features, which
+    stochastic rounding keeps exact). Costs ``samples`` gathers, whatever the tensor's size.
+
+    ``on="x_hat"`` gives the factor for noise drawn on the non-zeros of a *dequantized* copy
+    instead (what the replay sees): an element that rounds onto a level at 0 is zero there,
+    so the denominator counts ``P(x_hat != 0)`` instead of ``[x != 0]``; without it the
+    replay would underestimate tensors with many values near 0 (ReLU outputs at few bits).
+    Both from one sample: `rounding_variance_factors`."""
+    if on not in ("x", "x_hat"):
         raise ValueError(f"on must be 'x' or 'x_hat', got {on!r}")
-    den = float((st2 * nonzero).sum())
-    return 6.0 * float((st2 * ff).sum()) / den if den > 0 else 1.0
+    return float(rounding_variance_factors(x, q, samples, seed)[0 if on == "x" else 1])
 
 
 #: elements per chunk when the probe walks a tensor: its temporaries stay ~1 MB, never
-#: tensor-sized (a probed step must not hold a second copy of the tensor)
+#: tensor-sized (a probed step must not hold a second copy of the tensor) ...
 CHUNK_ELEMS = 1 << 18
+#: ... or a tensor is walked in about this many chunks where that keeps fewer: each chunk
+#: costs a dozen small operations (kernel launches on a GPU), so a tensor of tens of millions
+#: of elements is walked in chunks of a sixty-fourth of it (temporaries of a few percent of
+#: the tensor) rather than in hundreds of launch-bound ones
+MAX_CHUNKS = 64
+
+
+def chunk_elems(numel: int) -> int:
+    """Elements per chunk for a probe's walk over a tensor of ``numel`` elements: `CHUNK_ELEMS`,
+    or ``numel / MAX_CHUNKS`` where that is more (`row_ranges` rounds it to whole rows, so a
+    tensor takes about `MAX_CHUNKS` chunks, never far more)."""
+    return max(CHUNK_ELEMS, -(-numel // MAX_CHUNKS))
 
 
 def add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) -> Tensor:
@@ -143,7 +166,7 @@ def add_rounding_noise_(q: QTensor, x: Tensor, seed: int, kappa: float = 1.0) ->
     x2 = x.view(lay.rows, lay.cols)
     gen = torch.Generator(device=x.device)
     gen.manual_seed(seed)
-    for r0, r1 in row_ranges(q, CHUNK_ELEMS):
+    for r0, r1 in row_ranges(q, chunk_elems(x.numel())):
         xc = x2[r0:r1]
         sign = torch.randint(0, 2, xc.shape, generator=gen, device=x.device, dtype=torch.int8)
         if rpg > 1:  # a group holds rpg whole rows
@@ -170,7 +193,7 @@ def nonzero_counts(x: Tensor, q: QTensor) -> Tensor:
     dtype = torch.uint8 if most <= 255 else torch.int16 if most <= 32767 else torch.int32
     shape = (rows,) if rpg > 1 else (rows, gpr)
     out = torch.zeros(shape, dtype=dtype, device=x.device)
-    for r0, r1 in row_ranges(q, CHUNK_ELEMS):
+    for r0, r1 in row_ranges(q, chunk_elems(x.numel())):
         nz = x[r0:r1] != 0
         if rpg > 1:  # a group holds rpg whole rows
             out[r0:r1] = nz.sum(1, dtype=torch.int32).to(dtype)

@@ -181,8 +181,9 @@ class SensitivityProbe(ProbeHooks, ProbeEstimates, ProbeWalk):
         self._params: list[Tensor] = []
         self._param_ids: set[int] = set()
         self._ctl_own: dict[str, Any] = {}
-        self._kappa = weakref.WeakKeyDictionary()  # Stored -> rounding_variance_factor
-        # Stored -> (`nonzero_counts`, kappa): its per-row rounding variance, compactly
+        # Stored -> its `rounding_variance_factors` (a device tensor until `_factors` reads it)
+        self._kappa = weakref.WeakKeyDictionary()
+        # Stored -> `nonzero_counts`: its per-row rounding variance, compactly
         self._nonzeros = weakref.WeakKeyDictionary()
         self._matmul_k: dict[int, tuple[int, bool]] = {}  # id(node) -> `matmul_kind`
         # noise to propagate, deferred to the pre-hook of the first node it enters:

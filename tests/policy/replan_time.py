@@ -3,12 +3,16 @@ time over the median of the others: what a probed step costs.
 
     python tests/policy/replan_time.py [--models gat,gcn,gcnii] [--scale 0.02] [--steps 17]
     python tests/policy/replan_time.py --device cuda --scale 1 --models gat   # a GPU
+    python tests/policy/replan_time.py --clock process   # CPU time: on a shared machine
 
 One CPU thread, the ogbn-arxiv presets of `gact_graph.models.preset` on the synthetic arxiv-like
 graph at ``--scale``; a step is forward, loss, backward, Adam step and ``ctl.iterate()``. The
 default mode probes steps 0, 1, 3, 7, 15, ...; step 0 also pays first-call costs, so the figure
 to read is the worst of the later probed steps. Prints one JSON line per model. The package
-is the one on ``PYTHONPATH`` if any (to time two trees in one session), else this checkout's."""
+is the one on ``PYTHONPATH`` if any (to time two trees in one session), else this checkout's.
+``--clock process`` times each step by the process's CPU time instead of the wall clock (CPU
+only): on a machine shared with other jobs, waiting for a core then does not count, so ratios of
+two trees measured at different moments compare."""
 
 import argparse
 import json
@@ -39,7 +43,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_times(name: str, data, steps: int, device: torch.device) -> list[float]:
+def step_times(
+    name: str, data, steps: int, device: torch.device, clock=time.perf_counter
+) -> list[float]:
     cfg = preset(name, "synthetic-ogbn-arxiv")
     torch.manual_seed(0)
     model = build_model(name, data.num_features, int(data.num_classes), **cfg["model"])
@@ -58,12 +64,12 @@ def step_times(name: str, data, steps: int, device: torch.device) -> list[float]
     times = []
     for _ in range(steps):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         step_fn()
         opt.step()
         ctl.iterate(step_fn)
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     ctl.remove()
     return times
 
@@ -74,20 +80,25 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.02)
     p.add_argument("--steps", type=int, default=17)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--clock", choices=("wall", "process"), default="wall")
     args = p.parse_args()
+    if args.clock == "process" and args.device != "cpu":
+        p.error("--clock process times CPU steps only (a GPU's work is not the process's)")
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     device = torch.device(args.device)
     data = load_dataset("synthetic-ogbn-arxiv", scale=args.scale, seed=0).to(device)
     for name in args.models.split(","):
-        times = step_times(name, data, args.steps, device)
+        times = step_times(name, data, args.steps, device, clock)
         median = statistics.median(t for i, t in enumerate(times) if i not in PROBED)
         ratios = {i: times[i] / median for i in PROBED if i < len(times)}
         later = [r for i, r in ratios.items() if i > 0]
         print(json.dumps({
-            "model": name, "median_s": round(median, 4),
+            "model": name, "clock": args.clock, "median_s": round(median, 4),
             "probed_over_median": {str(i): round(r, 2) for i, r in ratios.items()},
             "worst_later_probed": round(max(later), 2) if later else None,
+            "mean_later_probed": round(statistics.mean(later), 2) if later else None,
         }), flush=True)  # fmt: skip
 
 

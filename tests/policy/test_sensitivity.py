@@ -579,3 +579,132 @@ def test_a_node_with_two_replayed_inputs_carries_the_first_before_the_second_rep
     for name in got:
         assert got[name] == pytest.approx(deferred[name], rel=1e-4, abs=1e-12), name
     ctl.remove()
+
+
+def test_walk_runs_pass_through_nodes_inside_the_call_that_feeds_them(monkeypatch):
+    """Views, clones, adds and splits run inside the partial backward of the node that feeds
+    them, not in a call of their own: fewer calls per walk, the same estimates (the walk is
+    linear in its seeds, so where and in how many calls a node runs changes only the order of
+    additions)."""
+    from gact_graph.policy import probe_walk
+
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = GAT(16, 8, 4, num_layers=3, heads=2, dropout=0.3, batch_norm=True, residual=True)
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=256)
+    step = _step_fn(model, x, ei, y)
+    step()
+    state = torch.get_rng_state()
+    real_run = SensitivityProbe._run_alone
+    ran: list[str] = []
+
+    def run_alone(self, acc, fn, edges, grads):
+        ran.append(fn.name())
+        return real_run(self, acc, fn, edges, grads)
+
+    monkeypatch.setattr(SensitivityProbe, "_run_alone", run_alone)
+    torch.set_rng_state(state)
+    got = probe_sensitivity(ctl, step, seed=3)
+    merged = list(ran)
+    ran.clear()
+    monkeypatch.setattr(probe_walk, "passes_through", lambda fn: False)
+    torch.set_rng_state(state)
+    alone = probe_sensitivity(ctl, step, seed=3)
+    ctl.remove()
+    assert set(got) == set(alone) and len(got) >= 6
+    assert sum(v > 0 for v in got.values()) >= 4
+    for name in got:
+        assert got[name] == pytest.approx(alone[name], rel=1e-5, abs=1e-12), name
+    passing = [n for n in ran if n in probe_walk._PASS_THROUGH]
+    assert passing, ran  # the model's walks do meet such nodes ...
+    # ... and run them in other nodes' calls only (a walk may start at one: its seeds' node)
+    assert len(merged) <= len(ran) - len(passing) // 2, (len(merged), len(ran))
+
+
+def test_pack_reads_no_scalar_and_backward_reads_every_factor_at_once(monkeypatch):
+    """The rounding factors the probe takes when a tensor is packed stay on the device through
+    the forward (no ``.item()`` / ``float()`` per tensor: each is a host sync on a GPU) and are
+    read for every tensor in one transfer when backward first needs one; their values are
+    `rounding_variance_factor`'s."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    x, ei, y = _graph()
+    model = GAT(16, 8, 4, num_layers=3, heads=2, dropout=0.3, batch_norm=True, residual=True)
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=256)
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model(x, ei)  # first-call work (the adjacency cache) out of the way
+    with Reads() as plain:  # what the step itself reads (the CPU quantizer reads a few)
+        model(x, ei)
+    probe = SensitivityProbe(ctl, min_numel=256, seed=1)
+    probe.arm()
+    with Reads() as reads:
+        out = model(x, ei)
+    assert probe.compressed and reads.n == plain.n
+    kappas = dict(probe._kappa)
+    assert len(kappas) >= 4 and all(isinstance(v, torch.Tensor) for v in kappas.values())
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+    first = next(iter(kappas))
+    probe._factors(first)
+    monkeypatch.setattr(torch, "stack", real_stack)
+    assert len(stacks) == 1
+    assert all(isinstance(v, tuple) for v in probe._kappa.values())
+    for stored, pair in probe._kappa.items():
+        assert pair == pytest.approx(tuple(kappas[stored].tolist()))
+    nn.functional.cross_entropy(out, y).backward()
+    probe.result()
+    probe.close()
+    ctl.remove()
+
+
+def test_rounding_variance_factors_are_the_two_factors():
+    from gact_graph.policy.rounding import rounding_variance_factors
+
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(500, 40))  # many exact zeros: the two factors differ
+    q = quantize(x, 2, group_size=64, seed=0)
+    both = rounding_variance_factors(x, q, seed=4)
+    assert both.shape == (2,) and both.dtype == torch.float32
+    on_x = rounding_variance_factor(x, q, seed=4)
+    on_x_hat = rounding_variance_factor(x, q, seed=4, on="x_hat")
+    assert (float(both[0]), float(both[1])) == (on_x, on_x_hat)
+    assert on_x_hat > on_x > 0  # x_hat's zeros include values that round onto 0
+    with pytest.raises(ValueError, match="on must be"):
+        rounding_variance_factor(x, q, on="y")
+
+
+def test_probe_chunks_stay_few_on_a_large_tensor(monkeypatch):
+    """The probe's noise is drawn in about `MAX_CHUNKS` chunks however large the tensor (each
+    chunk is a dozen launches on a GPU), in chunks of `CHUNK_ELEMS` below that size; on the CPU
+    the draw is the same whatever the chunking."""
+    from gact_graph.policy import rounding
+
+    torch.manual_seed(0)
+    x = torch.randn(3000, 24)
+    q = quantize(x, 2, group_size=64, seed=0)
+    want = rounding.add_rounding_noise_(q, x.clone(), 5, 0.7)
+    assert rounding.chunk_elems(x.numel()) == rounding.CHUNK_ELEMS  # small: one chunk
+    monkeypatch.setattr(rounding, "CHUNK_ELEMS", 24)  # one row a chunk, were it not bounded
+    ranges = list(rounding.row_ranges(q, rounding.chunk_elems(x.numel())))
+    assert rounding.MAX_CHUNKS <= len(ranges) <= rounding.MAX_CHUNKS + 2
+    calls = []
+    real = rounding.torch.randint
+    monkeypatch.setattr(rounding.torch, "randint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = rounding.add_rounding_noise_(q, x.clone(), 5, 0.7)
+    monkeypatch.setattr(rounding.torch, "randint", real)
+    assert len(calls) == len(ranges)
+    assert torch.equal(got, want)
+    counts = rounding.nonzero_counts(torch.relu(x), q)  # groups of whole rows: one per row
+    assert torch.equal(counts, (torch.relu(x) != 0).sum(1).to(counts.dtype))
