@@ -775,8 +775,9 @@ class _DestinationRows:
     on: the sensitivity probe's `RowChunked`, handed to Functions that set
     ``reads_row_chunks``). A compressed one is dequantized one gather chunk's rows at a
     time, never whole: the probe runs this backward on top of the user's, where one more
-    N x H x C copy adds to the step's peak. ``bounds(chunk)`` finds the rows each gather chunk of ``chunk`` edges reads (one
-    host sync); a dense one needs none and is gathered as before."""
+    N x H x C copy adds to the step's peak. ``bounds(chunk)`` finds the rows each gather
+    chunk of ``chunk`` edges reads (one host sync); a dense one needs none and is gathered as
+    before."""
 
     def __init__(self, x: Tensor, rowptr: Tensor, heads: int, channels: int) -> None:
         q = _row_matrix(x)
