@@ -318,16 +318,16 @@ def _chunks(
     """``(chunk, wide)`` of an edge stage over features ``x`` (N x H x C): ``chunk`` edges per
     chunk x H x C gather (`edge_chunk_size`) and the wide chunks, C times longer, on which
     the edge-level (chunk x H) work runs and which the gathers slice: few small kernels per
-    gather chunk. ``lean`` (the probe's backwards, `is_lean`): gathers of at most a quarter
-    of one N x H x C tensor with no floor, and wide chunks as long as the gathers, so that
-    the chunk temporaries stay small next to the N x H x C tensors the probe holds; more and
-    smaller kernels."""
+    gather chunk. ``lean`` (the probe's backwards, `is_lean`): the gathers alive at once
+    total at most a quarter of one N x H x C tensor, with no floor, so that the chunk
+    temporaries (and the wide chunks' E x H ones, C times fewer elements per edge) stay small
+    next to the N x H x C tensors the probe holds; more and smaller kernels on small graphs."""
     heads, channels = x.shape[1:]
     if lean:
         item = torch.finfo(_acc_dtype(x.dtype)).bits // 8
         quarter = x.shape[0] * heads * channels * item // 4
         chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, min(chunk_bytes, quarter))
-        return chunk, _EdgeChunks(rowptr, col, chunk)
+        return chunk, _EdgeChunks(rowptr, col, chunk * channels)
     chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, chunk_bytes, x.shape[0])
     return chunk, _EdgeChunks(rowptr, col, chunk * channels)
 
@@ -765,33 +765,92 @@ def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | 
 
 
 # ---------------------------------------------------------------------------- GATv2
+def _row_matrix(x: Tensor):
+    """The compressed matrix behind ``x`` when ``x`` reads a row range at a time (a tensor
+    with ``q``, whose ``q.rows(r0, r1).dequantize()`` gives rows ``r0:r1``: the sensitivity
+    probe's `RowChunked`), else None."""
+    q = getattr(x, "q", None)
+    return q if q is not None and callable(getattr(q, "rows", None)) else None
+
+
+class _Codes:
+    """Decoding of a compressed (N * H) x C matrix ``q`` whose groups hold whole rows without
+    padding, read as N x H x C: codes one byte per element (`unpack_bits`) and, per (node,
+    head) row, its group's fp32 ``lo`` and ``scale`` (made once, 2 / C of an fp32 copy), so
+    that any rows dequantize as ``code * scale + lo`` in fp32, the operations and values of
+    ``q.dequantize()`` (`dequantize_reference`; its product is exact, so the Triton
+    dequantizer's fused multiply-add gives the same), without decoding the metadata again
+    for each part. `_Codes.of` is None for other layouts."""
+
+    def __init__(self, q, heads: int, channels: int) -> None:
+        from gact_graph.kernels.quantize import decode_meta
+
+        lay = q.layout
+        self.q, self.heads, self.channels, self.k = q, heads, channels, lay.rows_per_group
+        self.bytes_per_group = lay.packed_nbytes(q.bits) // lay.num_groups
+        lo, scale, _ = decode_meta(q.meta)
+        self.lo = lo.repeat_interleave(self.k)[: lay.rows].view(-1, heads)
+        self.scale = scale.repeat_interleave(self.k)[: lay.rows].view(-1, heads)
+
+    @classmethod
+    def of(cls, q, heads: int, channels: int):
+        lay = getattr(q, "layout", None)
+        whole_rows = (
+            lay is not None and lay.groups_per_row == 1 and lay.num_groups > 0
+            and lay.group_size == lay.rows_per_group * lay.cols
+        )  # fmt: skip
+        return cls(q, heads, channels) if whole_rows else None
+
+    def codes(self, r0: int, r1: int) -> Tensor:
+        """uint8 codes of node rows ``r0:r1`` (``r0 * heads`` a multiple of the rows per
+        group) as (r1 - r0) x H x C."""
+        from gact_graph.kernels.bitpack import unpack_bits
+
+        first, last = r0 * self.heads // self.k, -(-r1 * self.heads // self.k)
+        b = self.bytes_per_group
+        g = self.q.layout.group_size
+        codes = unpack_bits(self.q.packed[first * b : last * b], self.q.bits, (last - first) * g)
+        return codes.view(-1, self.channels)[: (r1 - r0) * self.heads].view(
+            r1 - r0, self.heads, self.channels
+        )
+
+    def decode(self, codes: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Values of ``codes`` (m x H x C) of the node rows ``rows`` (m), in ``dtype``."""
+        from gact_graph.kernels.quantize import FP16_MAX
+
+        vals = codes.to(torch.float32)
+        vals.mul_(self.scale.index_select(0, rows).unsqueeze(-1))
+        vals.add_(self.lo.index_select(0, rows).unsqueeze(-1))
+        if dtype == torch.float16:
+            vals.clamp_(-FP16_MAX, FP16_MAX)  # as the dequantizer: NaN groups stay NaN
+        return vals.to(dtype)
+
+
 class _DestinationRows:
     """GATv2's destination features ``x_r`` (N x H x C) as its edge stage reads them: gathered
     by each edge's destination, which in a destination-sorted CSR is a contiguous row range
     per edge chunk.
 
     ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix that reads a
-    row range at a time (`_row_matrix`; ``q.row_step()`` is the row multiple a range starts
-    on: the sensitivity probe's `RowChunked`, handed to Functions that set
-    ``reads_row_chunks``). A compressed one is dequantized one gather chunk's rows at a
-    time, never whole: the probe runs this backward on top of the user's, where one more
-    N x H x C copy adds to the step's peak. ``bounds(chunk)`` finds the rows each gather
-    chunk of ``chunk`` edges reads (one host sync); a dense one needs none and is gathered as
-    before."""
+    row range at a time (`_row_matrix`: the sensitivity probe's `RowChunked`, handed to
+    Functions that set ``reads_row_chunks``). A compressed one is dequantized one gather
+    chunk's rows at a time (`_Codes` where its layout allows, else ``q.rows``), never whole:
+    the probe runs this backward on top of the user's, where one more N x H x C copy adds to
+    the step's peak. ``bounds(chunk)`` finds the rows each gather chunk of ``chunk`` edges
+    reads (one host sync); a dense one needs none and is gathered as before."""
 
     def __init__(self, x: Tensor, rowptr: Tensor, heads: int, channels: int) -> None:
         q = _row_matrix(x)
         self.compressed = q is not None
         self.heads, self.channels, self.rowptr = heads, channels, rowptr
-        self.num_rows = x.numel() // (heads * channels)
-        self.shape = (self.num_rows, heads, channels)
+        self.shape = (x.numel() // (heads * channels), heads, channels)
         self.dtype, self.device = x.dtype, x.device
+        self.x = self.q = self.codes = None
         if self.compressed:
-            self.q = q
+            self.q, self.codes = q, _Codes.of(q, heads, channels)
             # a node row range starts on a group when its first (N * H)-row does
             step = max(1, int(q.row_step()))
             self.align = step // math.gcd(step, heads)
-            self.x = None
         else:
             self.x = x.view(self.shape)
         self._bounds: dict[int, tuple[int, int]] = {}
@@ -815,18 +874,12 @@ class _DestinationRows:
             return self.x.index_select(0, dst)
         d0, d1 = self._bounds[start]
         base = d0 - d0 % self.align
+        if self.codes is not None:
+            codes = self.codes.codes(base, d1 + 1).index_select(0, dst - base)
+            return self.codes.decode(codes, dst, self.dtype)
         h = self.heads
         rows = self.q.rows(base * h, (d1 + 1) * h).dequantize()
-        rows = rows.view(-1, h, self.channels)
-        return rows.index_select(0, dst - base)
-
-
-def _row_matrix(x: Tensor):
-    """The compressed matrix behind ``x`` when ``x`` reads a row range at a time (a tensor
-    with ``q``, whose ``q.rows(r0, r1).dequantize()`` gives rows ``r0:r1``: the sensitivity
-    probe's `RowChunked`), else None."""
-    q = getattr(x, "q", None)
-    return q if q is not None and callable(getattr(q, "rows", None)) else None
+        return rows.view(-1, h, self.channels).index_select(0, dst - base)
 
 
 class _SourceRows:
@@ -834,46 +887,25 @@ class _SourceRows:
     each edge's source (any rows, in any order), through ``index_select(0, idx)``.
 
     ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix
-    (`_row_matrix`). A compressed one whose groups hold whole (N * H)-rows without padding
-    keeps its codes unpacked (one byte per element, a quarter of an fp32 copy) and its
-    groups' ``lo`` and ``scale`` per row, and dequantizes each gather as
-    ``code * scale + lo`` in fp32, the very operations and values of its dequantization, never
-    the whole tensor; another layout is dequantized whole (the same values)."""
+    (`_row_matrix`). A compressed one whose layout `_Codes` reads keeps its codes unpacked
+    (one byte per element, a quarter of an fp32 copy) and dequantizes each gather, never the
+    whole tensor; another layout is dequantized whole (the same values)."""
 
     def __init__(self, x: Tensor, heads: int, channels: int) -> None:
-        from gact_graph.kernels.bitpack import unpack_bits
-        from gact_graph.kernels.quantize import decode_meta
-
         self.shape = (x.numel() // (heads * channels), heads, channels)
         self.dtype, self.device = x.dtype, x.device
         q = _row_matrix(x)
-        lay = getattr(q, "layout", None)
-        whole_rows = (
-            lay is not None and lay.groups_per_row == 1 and lay.num_groups > 0
-            and lay.group_size == lay.rows_per_group * lay.cols
-        )  # fmt: skip
-        if not whole_rows:
+        self.decoder = None if q is None else _Codes.of(q, heads, channels)
+        if self.decoder is None:
             self.x = (x.dense() if q is not None else x).view(self.shape)
             return
         self.x = None
-        k, rows = lay.rows_per_group, lay.rows
-        codes = unpack_bits(q.packed, q.bits, lay.num_groups * lay.group_size)
-        self.codes = codes.view(lay.num_groups * k, lay.cols)[:rows].view(self.shape)
-        lo, scale, _ = decode_meta(q.meta)
-        self.lo = lo.repeat_interleave(k)[:rows].view(self.shape[:2])
-        self.scale = scale.repeat_interleave(k)[:rows].view(self.shape[:2])
+        self.codes = self.decoder.codes(0, self.shape[0])
 
     def index_select(self, dim: int, idx: Tensor) -> Tensor:
         if self.x is not None:
             return self.x.index_select(dim, idx)
-        from gact_graph.kernels.quantize import FP16_MAX
-
-        vals = self.codes.index_select(0, idx).to(torch.float32)
-        vals.mul_(self.scale.index_select(0, idx).unsqueeze(-1))
-        vals.add_(self.lo.index_select(0, idx).unsqueeze(-1))
-        if self.dtype == torch.float16:
-            vals.clamp_(-FP16_MAX, FP16_MAX)
-        return vals.to(self.dtype)
+        return self.decoder.decode(self.codes.index_select(0, idx), idx, self.dtype)
 
 
 def _gatv2_logits(
