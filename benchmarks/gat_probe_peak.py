@@ -18,6 +18,10 @@ Usage::
     python benchmarks/gat_probe_peak.py --device cuda                  # arxiv size, both models
     python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32
     python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
+    python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32 --trace
+
+``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
+each with its op, shape and the frames that made it (slow; for finding what holds a peak).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import contextlib
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,12 +44,48 @@ from gact_graph.policy import sensitivity  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
 
 
+def _tracing_meter(min_bytes: int, snapshots: list):
+    """`PeakBytes` that also keeps, for every new storage of at least ``min_bytes``, the op,
+    shape and frames that made it, and appends to ``snapshots`` the live ones at each new
+    peak (``(peak bytes, where, [(bytes, op, shape, frames)])``, the last one the step's)."""
+    from gact_graph.budget.profile import PeakBytes
+
+    def frames(skip: int) -> str:
+        keep = ("gact_graph", "benchmarks", "autograd")
+        stack = [f for f in traceback.extract_stack()[:-skip] if any(k in f.filename for k in keep)]
+        return " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in stack[::-1][:4])
+
+    class Tracing(PeakBytes):
+        def __init__(self):
+            self.sites = {}
+            super().__init__()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = set(self.table)
+            peak = self.peak
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            for k in set(self.table) - before:
+                if self.table[k][1] >= min_bytes:
+                    shape = next((tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out)
+                                  if isinstance(t, torch.Tensor)), ())  # fmt: skip
+                    self.sites[k] = (str(func), shape, frames(3))
+            if self.peak > peak:
+                live = [(n, *self.sites.get(k, ("?", (), "")))
+                        for k, (ref, n) in self.table.items()
+                        if n >= min_bytes and not ref.expired()]  # fmt: skip
+                snapshots.append((self.peak, frames(3), sorted(live, key=lambda t: -t[0])))
+            return out
+
+    return Tracing()
+
+
 class _Meter:
     """Peak bytes above a step's start, overall and inside the probe's work."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, trace_bytes: int | None = None) -> None:
         self.device = device
         self.cpu = None
+        self.trace_bytes, self.snapshots = trace_bytes, []
         self.start = 0
         self.peak = 0
         self.probe_peak = 0
@@ -73,7 +114,11 @@ class _Meter:
         else:
             from gact_graph.budget.profile import PeakBytes
 
-            with PeakBytes() as self.cpu:
+            self.snapshots.clear()
+            meter = PeakBytes() if self.trace_bytes is None else _tracing_meter(
+                self.trace_bytes, self.snapshots
+            )  # fmt: skip
+            with meter as self.cpu:
                 self.start = self.cpu.start
                 yield
         self.peak = max(self.peak, self._now_peak())
@@ -135,7 +180,8 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
     ctl = compress_gnn(model, bits=2, adaptive=adaptive)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     unit = n * args.heads * args.hidden * 4
-    meter, paths = _Meter(device), {}
+    trace = getattr(args, "trace", False) and device.type == "cpu"
+    meter, paths = _Meter(device, unit // 5 if trace else None), {}
     undo = _instrument(meter, paths)
     steps = []
     try:
@@ -146,6 +192,11 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
                 F.cross_entropy(model(x, ei), y).backward()
             opt.step()
             ctl.iterate()
+            if trace and meter.snapshots:
+                peak, where, live = max(meter.snapshots, key=lambda snap: snap[0])
+                print(f"{model_name} step {i}: peak {(peak - meter.start) / unit:.2f} at {where}")
+                for nbytes, op, shape, made in live:
+                    print(f"  {nbytes / unit:5.2f}  {op} {shape}  {made}")
             steps.append({
                 "step": i,
                 "peak_units": round(meter.peak / unit, 2),
@@ -171,6 +222,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true",
+                    help="CPU: print the tensors alive at each step's peak and what made them")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
