@@ -20,6 +20,8 @@ Usage::
     python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
     python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32 --trace
 
+``--skip-dataless`` (CPU): the planner's meter counts a tensor subclass without data of its
+own (the probe's `RowChunked`) at its full size; this leaves it out.
 ``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
 each with its op, shape and the frames that made it (slow; for finding what holds a peak).
 """
@@ -44,18 +46,54 @@ from gact_graph.policy import sensitivity  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
 
 
-def _tracing_meter(min_bytes: int, snapshots: list):
+def _dataless(t) -> bool:
+    """A tensor subclass that holds no data of its own (a `RowChunked`, whose codes belong to
+    its compressed tensor): its storage reports its full size but has no memory."""
+    if not isinstance(t, torch.Tensor) or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True
+    return False
+
+
+def _cpu_meter(skip_dataless: bool):
+    """`PeakBytes`, or (``skip_dataless``) one that does not count `_dataless` outputs, which
+    it counts at their full size."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from gact_graph.budget.profile import PeakBytes
+
+    if not skip_dataless:
+        return PeakBytes
+
+    class WithoutDataless(PeakBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            peak = self.peak
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            dataless = [t for t in torch.utils._pytree.tree_leaves(out) if _dataless(t)]
+            for t in dataless:
+                known = self.table.pop(StorageWeakRef(t.untyped_storage()).cdata, None)
+                if known is not None:
+                    self.bytes -= known[1]
+            if dataless:
+                self.peak = max(peak, self.bytes)
+            return out
+
+    return WithoutDataless
+
+
+def _tracing_meter(base, min_bytes: int, snapshots: list):
     """`PeakBytes` that also keeps, for every new storage of at least ``min_bytes``, the op,
     shape and frames that made it, and appends to ``snapshots`` the live ones at each new
     peak (``(peak bytes, where, [(bytes, op, shape, frames)])``, the last one the step's)."""
-    from gact_graph.budget.profile import PeakBytes
-
     def frames(skip: int) -> str:
         keep = ("gact_graph", "benchmarks", "autograd")
         stack = [f for f in traceback.extract_stack()[:-skip] if any(k in f.filename for k in keep)]
         return " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in stack[::-1][:4])
 
-    class Tracing(PeakBytes):
+    class Tracing(base):
         def __init__(self):
             self.sites = {}
             super().__init__()
@@ -82,10 +120,12 @@ def _tracing_meter(min_bytes: int, snapshots: list):
 class _Meter:
     """Peak bytes above a step's start, overall and inside the probe's work."""
 
-    def __init__(self, device: torch.device, trace_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, trace_bytes: int | None = None,
+                 skip_dataless: bool = False) -> None:  # fmt: skip
         self.device = device
         self.cpu = None
         self.trace_bytes, self.snapshots = trace_bytes, []
+        self.skip_dataless = skip_dataless
         self.start = 0
         self.peak = 0
         self.probe_peak = 0
@@ -112,11 +152,10 @@ class _Meter:
             yield
             torch.cuda.synchronize(self.device)
         else:
-            from gact_graph.budget.profile import PeakBytes
-
             self.snapshots.clear()
-            meter = PeakBytes() if self.trace_bytes is None else _tracing_meter(
-                self.trace_bytes, self.snapshots
+            base = _cpu_meter(self.skip_dataless)
+            meter = base() if self.trace_bytes is None else _tracing_meter(
+                base, self.trace_bytes, self.snapshots
             )  # fmt: skip
             with meter as self.cpu:
                 self.start = self.cpu.start
@@ -181,7 +220,8 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     unit = n * args.heads * args.hidden * 4
     trace = getattr(args, "trace", False) and device.type == "cpu"
-    meter, paths = _Meter(device, unit // 5 if trace else None), {}
+    skip = getattr(args, "skip_dataless", False)
+    meter, paths = _Meter(device, unit // 5 if trace else None, skip), {}
     undo = _instrument(meter, paths)
     steps = []
     try:
@@ -222,6 +262,9 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-dataless", action="store_true",
+                    help="CPU: do not count tensor subclasses without data (RowChunked), which "
+                    "the planner's meter counts at their full size")
     ap.add_argument("--trace", action="store_true",
                     help="CPU: print the tensors alive at each step's peak and what made them")
     args = ap.parse_args(argv)
