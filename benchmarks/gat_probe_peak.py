@@ -18,6 +18,12 @@ Usage::
     python benchmarks/gat_probe_peak.py --device cuda                  # arxiv size, both models
     python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32
     python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
+    python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32 --trace
+
+``--skip-dataless`` (CPU): the planner's meter counts a tensor subclass without data of its
+own (the probe's `RowChunked`) at its full size; this leaves it out.
+``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
+each with its op, shape and the frames that made it (slow; for finding what holds a peak).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import contextlib
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,12 +46,86 @@ from gact_graph.policy import sensitivity  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
 
 
+def _dataless(t) -> bool:
+    """A tensor subclass that holds no data of its own (a `RowChunked`, whose codes belong to
+    its compressed tensor): its storage reports its full size but has no memory."""
+    if not isinstance(t, torch.Tensor) or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True
+    return False
+
+
+def _cpu_meter(skip_dataless: bool):
+    """`PeakBytes`, or (``skip_dataless``) one that does not count `_dataless` outputs, which
+    it counts at their full size."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from gact_graph.budget.profile import PeakBytes
+
+    if not skip_dataless:
+        return PeakBytes
+
+    class WithoutDataless(PeakBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            peak = self.peak
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            dataless = [t for t in torch.utils._pytree.tree_leaves(out) if _dataless(t)]
+            for t in dataless:
+                known = self.table.pop(StorageWeakRef(t.untyped_storage()).cdata, None)
+                if known is not None:
+                    self.bytes -= known[1]
+            if dataless:
+                self.peak = max(peak, self.bytes)
+            return out
+
+    return WithoutDataless
+
+
+def _tracing_meter(base, min_bytes: int, snapshots: list):
+    """`PeakBytes` that also keeps, for every new storage of at least ``min_bytes``, the op,
+    shape and frames that made it, and appends to ``snapshots`` the live ones at each new
+    peak (``(peak bytes, where, [(bytes, op, shape, frames)])``, the last one the step's)."""
+    def frames(skip: int) -> str:
+        keep = ("gact_graph", "benchmarks", "autograd")
+        stack = [f for f in traceback.extract_stack()[:-skip] if any(k in f.filename for k in keep)]
+        return " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in stack[::-1][:4])
+
+    class Tracing(base):
+        def __init__(self):
+            self.sites = {}
+            super().__init__()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = set(self.table)
+            peak = self.peak
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            for k in set(self.table) - before:
+                if self.table[k][1] >= min_bytes:
+                    shape = next((tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out)
+                                  if isinstance(t, torch.Tensor)), ())  # fmt: skip
+                    self.sites[k] = (str(func), shape, frames(3))
+            if self.peak > peak:
+                live = [(n, *self.sites.get(k, ("?", (), "")))
+                        for k, (ref, n) in self.table.items()
+                        if n >= min_bytes and not ref.expired()]  # fmt: skip
+                snapshots.append((self.peak, frames(3), sorted(live, key=lambda t: -t[0])))
+            return out
+
+    return Tracing()
+
+
 class _Meter:
     """Peak bytes above a step's start, overall and inside the probe's work."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, trace_bytes: int | None = None,
+                 skip_dataless: bool = False) -> None:  # fmt: skip
         self.device = device
         self.cpu = None
+        self.trace_bytes, self.snapshots = trace_bytes, []
+        self.skip_dataless = skip_dataless
         self.start = 0
         self.peak = 0
         self.probe_peak = 0
@@ -71,9 +152,12 @@ class _Meter:
             yield
             torch.cuda.synchronize(self.device)
         else:
-            from gact_graph.budget.profile import PeakBytes
-
-            with PeakBytes() as self.cpu:
+            self.snapshots.clear()
+            base = _cpu_meter(self.skip_dataless)
+            meter = base() if self.trace_bytes is None else _tracing_meter(
+                base, self.trace_bytes, self.snapshots
+            )  # fmt: skip
+            with meter as self.cpu:
                 self.start = self.cpu.start
                 yield
         self.peak = max(self.peak, self._now_peak())
@@ -135,7 +219,9 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
     ctl = compress_gnn(model, bits=2, adaptive=adaptive)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     unit = n * args.heads * args.hidden * 4
-    meter, paths = _Meter(device), {}
+    trace = getattr(args, "trace", False) and device.type == "cpu"
+    skip = getattr(args, "skip_dataless", False)
+    meter, paths = _Meter(device, unit // 5 if trace else None, skip), {}
     undo = _instrument(meter, paths)
     steps = []
     try:
@@ -146,6 +232,11 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
                 F.cross_entropy(model(x, ei), y).backward()
             opt.step()
             ctl.iterate()
+            if trace and meter.snapshots:
+                peak, where, live = max(meter.snapshots, key=lambda snap: snap[0])
+                print(f"{model_name} step {i}: peak {(peak - meter.start) / unit:.2f} at {where}")
+                for nbytes, op, shape, made in live:
+                    print(f"  {nbytes / unit:5.2f}  {op} {shape}  {made}")
             steps.append({
                 "step": i,
                 "peak_units": round(meter.peak / unit, 2),
@@ -171,6 +262,11 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-dataless", action="store_true",
+                    help="CPU: do not count tensor subclasses without data (RowChunked), which "
+                    "the planner's meter counts at their full size")
+    ap.add_argument("--trace", action="store_true",
+                    help="CPU: print the tensors alive at each step's peak and what made them")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":

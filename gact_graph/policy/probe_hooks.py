@@ -241,9 +241,19 @@ class ProbeHooks:
                     r is not None and id(r[0]) not in done and self._is_candidate(r[0])
                     for r in reads[i + 1 :]
                 )
+                if later:
+                    # the later reads' dequantized copies are dropped before this replay (which
+                    # dequantizes what it reads again) and made again when their turn comes
+                    for j in range(i + 1, len(reads)):
+                        if reads[j] is not None:
+                            reads[j] = (reads[j][0], None, reads[j][2])
                 seeds = None
                 t0 = time.perf_counter()
                 with self._inside():
+                    # the replay reads its other compressed matrices in row chunks where the
+                    # node's Function says it can (``reads_row_chunks``)
+                    fwd_cls = getattr(node, "_forward_cls", None)
+                    self._tls.chunked_rows = getattr(fwd_cls, "reads_row_chunks", False)
                     try:
                         if self._matmul_closed_form(node, stored, shape, grad_outputs):
                             continue
@@ -256,14 +266,11 @@ class ProbeHooks:
                         self.failed.setdefault(stored.name, f"{type(exc).__name__}: {exc}")
                     finally:
                         x_hat = None
+                        self._tls.chunked_rows = False
                         self.seconds += time.perf_counter() - t0
                 if seeds is not None and later:
                     # carried down now, before the next replay's differences exist (deferred,
-                    # both replays' would wait together); the later reads' dequantized copies
-                    # are dropped first and made again when their turn comes
-                    for j in range(i + 1, len(reads)):
-                        if reads[j] is not None:
-                            reads[j] = (reads[j][0], None, reads[j][2])
+                    # both replays' would wait together)
                     self._propagate(seeds)
                 seeds = None
             return None

@@ -78,6 +78,8 @@ softmax are computed in fp32 and the output promotes like PyG's ``alpha * x_j`` 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -310,12 +312,22 @@ class _EdgeChunks:
         return marks.cumsum_(0).add_(r0)
 
 
-def _chunks(x: Tensor, rowptr: Tensor, col: Tensor, chunk_bytes: int) -> tuple[int, _EdgeChunks]:
+def _chunks(
+    x: Tensor, rowptr: Tensor, col: Tensor, chunk_bytes: int, lean: bool = False
+) -> tuple[int, _EdgeChunks]:
     """``(chunk, wide)`` of an edge stage over features ``x`` (N x H x C): ``chunk`` edges per
     chunk x H x C gather (`edge_chunk_size`) and the wide chunks, C times longer, on which
     the edge-level (chunk x H) work runs and which the gathers slice: few small kernels per
-    gather chunk."""
+    gather chunk. ``lean`` (the probe's backwards, `is_lean`): the gathers alive at once
+    total at most a quarter of one N x H x C tensor, with no floor, so that the chunk
+    temporaries (and the wide chunks' E x H ones, C times fewer elements per edge) stay small
+    next to the N x H x C tensors the probe holds; more and smaller kernels on small graphs."""
     heads, channels = x.shape[1:]
+    if lean:
+        item = torch.finfo(_acc_dtype(x.dtype)).bits // 8
+        quarter = x.shape[0] * heads * channels * item // 4
+        chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, min(chunk_bytes, quarter))
+        return chunk, _EdgeChunks(rowptr, col, chunk * channels)
     chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, chunk_bytes, x.shape[0])
     return chunk, _EdgeChunks(rowptr, col, chunk * channels)
 
@@ -757,9 +769,152 @@ def _adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | 
 
 
 # ---------------------------------------------------------------------------- GATv2
+def _row_matrix(x: Tensor):
+    """The compressed matrix behind ``x`` when ``x`` reads a row range at a time (a tensor
+    with ``q``, whose ``q.rows(r0, r1).dequantize()`` gives rows ``r0:r1``: the sensitivity
+    probe's `RowChunked`), else None."""
+    q = getattr(x, "q", None)
+    return q if q is not None and callable(getattr(q, "rows", None)) else None
+
+
+class _Codes:
+    """Decoding of a compressed (N * H) x C matrix ``q`` whose groups hold whole rows without
+    padding, read as N x H x C: codes one byte per element (`unpack_bits`) and, per (node,
+    head) row, its group's fp32 ``lo`` and ``scale`` (made once, 2 / C of an fp32 copy), so
+    that any rows dequantize as ``code * scale + lo`` in fp32, the operations and values of
+    ``q.dequantize()`` (`dequantize_reference`; its product is exact, so the Triton
+    dequantizer's fused multiply-add gives the same), without decoding the metadata again
+    for each part. `_Codes.of` is None for other layouts."""
+
+    def __init__(self, q, heads: int, channels: int) -> None:
+        from gact_graph.kernels.quantize import decode_meta
+
+        lay = q.layout
+        self.q, self.heads, self.channels, self.k = q, heads, channels, lay.rows_per_group
+        self.bytes_per_group = lay.packed_nbytes(q.bits) // lay.num_groups
+        lo, scale, _ = decode_meta(q.meta)
+        self.lo = lo.repeat_interleave(self.k)[: lay.rows].view(-1, heads)
+        self.scale = scale.repeat_interleave(self.k)[: lay.rows].view(-1, heads)
+
+    @classmethod
+    def of(cls, q, heads: int, channels: int):
+        lay = getattr(q, "layout", None)
+        whole_rows = (
+            lay is not None and lay.groups_per_row == 1 and lay.num_groups > 0
+            and lay.group_size == lay.rows_per_group * lay.cols
+        )  # fmt: skip
+        return cls(q, heads, channels) if whole_rows else None
+
+    def codes(self, r0: int, r1: int) -> Tensor:
+        """uint8 codes of node rows ``r0:r1`` (``r0 * heads`` a multiple of the rows per
+        group) as (r1 - r0) x H x C."""
+        from gact_graph.kernels.bitpack import unpack_bits
+
+        first, last = r0 * self.heads // self.k, -(-r1 * self.heads // self.k)
+        b = self.bytes_per_group
+        g = self.q.layout.group_size
+        codes = unpack_bits(self.q.packed[first * b : last * b], self.q.bits, (last - first) * g)
+        return codes.view(-1, self.channels)[: (r1 - r0) * self.heads].view(
+            r1 - r0, self.heads, self.channels
+        )
+
+    def decode(self, codes: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Values of ``codes`` (m x H x C) of the node rows ``rows`` (m), in ``dtype``."""
+        from gact_graph.kernels.quantize import FP16_MAX
+
+        vals = codes.to(torch.float32)
+        vals.mul_(self.scale.index_select(0, rows).unsqueeze(-1))
+        vals.add_(self.lo.index_select(0, rows).unsqueeze(-1))
+        if dtype == torch.float16:
+            vals.clamp_(-FP16_MAX, FP16_MAX)  # as the dequantizer: NaN groups stay NaN
+        return vals.to(dtype)
+
+
+class _DestinationRows:
+    """GATv2's destination features ``x_r`` (N x H x C) as its edge stage reads them: gathered
+    by each edge's destination, which in a destination-sorted CSR is a contiguous row range
+    per edge chunk.
+
+    ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix that reads a
+    row range at a time (`_row_matrix`: the sensitivity probe's `RowChunked`, handed to
+    Functions that set ``reads_row_chunks``). A compressed one is dequantized one gather
+    chunk's rows at a time (`_Codes` where its layout allows, else ``q.rows``), never whole:
+    the probe runs this backward on top of the user's, where one more N x H x C copy adds to
+    the step's peak. ``bounds(chunk)`` finds the rows each gather chunk of ``chunk`` edges
+    reads (one host sync); a dense one needs none and is gathered as before."""
+
+    def __init__(self, x: Tensor, rowptr: Tensor, heads: int, channels: int) -> None:
+        q = _row_matrix(x)
+        self.compressed = q is not None
+        self.heads, self.channels, self.rowptr = heads, channels, rowptr
+        self.shape = (x.numel() // (heads * channels), heads, channels)
+        self.dtype, self.device = x.dtype, x.device
+        self.x = self.q = self.codes = None
+        if self.compressed:
+            self.q, self.codes = q, _Codes.of(q, heads, channels)
+            # a node row range starts on a group when its first (N * H)-row does
+            step = max(1, int(q.row_step()))
+            self.align = step // math.gcd(step, heads)
+        else:
+            self.x = x.view(self.shape)
+        self._bounds: dict[int, tuple[int, int]] = {}
+
+    def bounds(self, chunk: int) -> None:
+        """Finds the first and last destination row of every gather chunk (edges ``s:s +
+        chunk`` for ``s`` a multiple of ``chunk``, the gathers of `_EdgeChunks`, whose wide
+        chunks are multiples of ``chunk``)."""
+        if not self.compressed:
+            return
+        num_edges = int(self.rowptr[-1]) if self.rowptr.numel() else 0
+        starts = list(range(0, num_edges, chunk))
+        ends = [min(s + chunk, num_edges) - 1 for s in starts]
+        pos = torch.tensor(starts + ends, dtype=self.rowptr.dtype, device=self.rowptr.device)
+        rows = (torch.searchsorted(self.rowptr, pos, right=True) - 1).tolist()
+        self._bounds = dict(zip(starts, zip(rows[: len(starts)], rows[len(starts) :])))
+
+    def gather(self, start: int, dst: Tensor) -> Tensor:
+        """``x_r[dst]`` (dtype of ``x_r``) for the gather chunk starting at edge ``start``."""
+        if not self.compressed:
+            return self.x.index_select(0, dst)
+        d0, d1 = self._bounds[start]
+        base = d0 - d0 % self.align
+        if self.codes is not None:
+            codes = self.codes.codes(base, d1 + 1).index_select(0, dst - base)
+            return self.codes.decode(codes, dst, self.dtype)
+        h = self.heads
+        rows = self.q.rows(base * h, (d1 + 1) * h).dequantize()
+        return rows.view(-1, h, self.channels).index_select(0, dst - base)
+
+
+class _SourceRows:
+    """GATv2's source features ``x_l`` (N x H x C) as its edge stage reads them: gathered by
+    each edge's source (any rows, in any order), through ``index_select(0, idx)``.
+
+    ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix
+    (`_row_matrix`). A compressed one whose layout `_Codes` reads keeps its codes unpacked
+    (one byte per element, a quarter of an fp32 copy) and dequantizes each gather, never the
+    whole tensor; another layout is dequantized whole (the same values)."""
+
+    def __init__(self, x: Tensor, heads: int, channels: int) -> None:
+        self.shape = (x.numel() // (heads * channels), heads, channels)
+        self.dtype, self.device = x.dtype, x.device
+        q = _row_matrix(x)
+        self.decoder = None if q is None else _Codes.of(q, heads, channels)
+        if self.decoder is None:
+            self.x = (x.dense() if q is not None else x).view(self.shape)
+            return
+        self.x = None
+        self.codes = self.decoder.codes(0, self.shape[0])
+
+    def index_select(self, dim: int, idx: Tensor) -> Tensor:
+        if self.x is not None:
+            return self.x.index_select(dim, idx)
+        return self.decoder.decode(self.codes.index_select(0, idx), idx, self.dtype)
+
+
 def _gatv2_logits(
-    x_l: Tensor,
-    x_r: Tensor,
+    x_l: Tensor | _SourceRows,
+    x_r: _DestinationRows,
     att: Tensor,
     chunks: _EdgeChunks,
     negative_slope: float,
@@ -774,7 +929,7 @@ def _gatv2_logits(
     for s, e, col_w, dst_w in chunks:
         for a in range(0, e - s, chunk):
             b = min(a + chunk, e - s)
-            z = x_r.index_select(0, dst_w[a:b]).to(acc)
+            z = x_r.gather(s + a, dst_w[a:b]).to(acc)
             z.add_(x_l.index_select(0, col_w[a:b]))
             F.leaky_relu(z, negative_slope, inplace=True)
             torch.sum(z.mul_(att), dim=-1, out=logit[s + a : s + b])
@@ -796,7 +951,16 @@ class GatV2AttentionFunction(torch.autograd.Function):
     backward) the logits' gradient are made a chunk at a time as in `GatAttentionFunction`.
     What it holds at once: the logits, the dropout's bool keep-mask and, in backward, one more
     E x H tensor (the coefficients' gradient, then the logits' in its place).
+
+    ``x_l`` and ``x_r`` are saved as their (N * H) x C views (the same quantization groups
+    as N x H x C), so that inside the sensitivity probe's work (`reads_row_chunks`) a
+    compressed one arrives as a matrix it reads in parts: ``x_r`` a gather chunk's rows at a
+    time (`_DestinationRows`), ``x_l`` from its unpacked codes (`_SourceRows`, a quarter of
+    an fp32 copy). That backward, which the probe runs on top of the user's, then holds no
+    dequantized copy of either; its edge chunks are smaller there too (`_chunks`).
     """
+
+    reads_row_chunks = True
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -805,8 +969,14 @@ class GatV2AttentionFunction(torch.autograd.Function):
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads = x_l.shape[1]
         acc = _acc_dtype(x_l.dtype)
+        if x_r.dim() != 3 or x_r.shape[1:] != x_l.shape[1:] or x_r.shape[0] != num_dst:
+            raise ValueError(
+                f"x_r must be N_dst x H x C = {(num_dst, *x_l.shape[1:])}, got {tuple(x_r.shape)}"
+            )
         chunk, wide = _chunks(x_l, rowptr, col, chunk_bytes)
-        logit = _gatv2_logits(x_l, x_r, att, wide, negative_slope, chunk)
+        rows_r = _DestinationRows(x_r, rowptr, *x_l.shape[1:])
+        logit = _gatv2_logits(x_l, rows_r, att, wide, negative_slope, chunk)
+        del rows_r
         m, total = _segment_stats(_kept(logit), wide, num_dst, heads, acc, x_l.device)
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)  # PyG's alpha and message
         mask, state = _attention_dropout(dropout, num_edges, heads, out_dtype, x_l.device, perm)
@@ -815,6 +985,15 @@ class GatV2AttentionFunction(torch.autograd.Function):
         )  # fmt: skip
         del mask
 
+        # (N * H) x C views where they are views (see the class docstring); one tensor when
+        # x_l is x_r (shared weights), saved once
+        same = x_r is x_l
+        if x_l.is_contiguous():
+            x_l = x_l.view(-1, x_l.shape[-1])
+        if same:
+            x_r = x_l
+        elif x_r.is_contiguous():
+            x_r = x_r.view(-1, x_r.shape[-1])
         ctx.save_for_backward(x_l, x_r, att, rowptr, col, perm, state)
         ctx.negative_slope = float(negative_slope)
         ctx.dropout = float(dropout)
@@ -827,11 +1006,16 @@ class GatV2AttentionFunction(torch.autograd.Function):
         x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
         need_l, need_r, need_att = ctx.needs_input_grad[:3]
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads, channels = x_l.shape[1:]
+        heads, channels = att.shape[-2:]
         acc = _acc_dtype(x_l.dtype)
         slope, p = ctx.negative_slope, ctx.dropout
-        chunk, wide = _chunks(x_l, rowptr, col, ctx.chunk_bytes)
-        logit = _gatv2_logits(x_l, x_r, att, wide, slope, chunk)
+        # compressed ones stay so: read a gather chunk at a time
+        rows_r = _DestinationRows(x_r, rowptr, heads, channels)
+        x_l = _SourceRows(x_l, heads, channels)
+        del x_r
+        chunk, wide = _chunks(x_l, rowptr, col, ctx.chunk_bytes, lean=is_lean())
+        rows_r.bounds(chunk)
+        logit = _gatv2_logits(x_l, rows_r, att, wide, slope, chunk)
         m, total = _segment_stats(_kept(logit), wide, num_dst, heads, acc, x_l.device)
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_l.device, perm, state)
@@ -854,14 +1038,14 @@ class GatV2AttentionFunction(torch.autograd.Function):
         grad_r = grad_att = None
         att_acc = att.reshape(1, heads, channels).to(acc)
         if need_r:
-            grad_r = torch.zeros(x_r.shape, dtype=acc, device=x_r.device)
+            grad_r = torch.zeros(rows_r.shape, dtype=acc, device=rows_r.device)
         if need_att:
             grad_att = torch.zeros(heads, channels, dtype=acc, device=att.device)
         if need_l or need_r or need_att:
             for s, e, col_w, dst_w in wide:
                 for a in range(0, e - s, chunk):
                     b = min(a + chunk, e - s)
-                    z = x_r.index_select(0, dst_w[a:b]).to(acc)
+                    z = rows_r.gather(s + a, dst_w[a:b]).to(acc)
                     z.add_(x_l.index_select(0, col_w[a:b]))
                     gl = grad_logit[s + a : s + b]
                     if need_att:
@@ -881,9 +1065,9 @@ class GatV2AttentionFunction(torch.autograd.Function):
                     del z
         del grad_logit, grad_s
         if grad_l is not None:
-            grad_l = grad_l.to(x_l.dtype)
+            grad_l = grad_l.to(x_l.dtype).view(x_l.shape)
         if grad_r is not None:
-            grad_r = grad_r.to(x_r.dtype)
+            grad_r = grad_r.to(rows_r.dtype)
         if grad_att is not None:
             grad_att = grad_att.reshape(att.shape).to(att.dtype)
         return grad_l, grad_r, grad_att, None, None, None, None, None, None

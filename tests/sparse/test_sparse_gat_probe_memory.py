@@ -3,16 +3,17 @@ CPU with the budget planner's live-bytes meter (`benchmarks/gat_probe_peak.py`).
 
 The default mode's steady steps hold what fixed 2 bits holds (same bits on average, nothing
 kept twice); its re-planning steps, where the sensitivity probe replays the attention node
-once per compressed input and carries each replay's noise down the network, peak far above
-the fixed step for GATv2 (bound 1.10x). The cause is in how many N x H x C tensors the probe
-holds at once at a GATv2 node, which reads two compressed N x H x C inputs (``x_l``,
-``x_r``) and emits two N x H x C gradients (GAT: one of each):
+once per compressed input and carries each replay's noise down the network, must stay within
+1.10x of the fixed step. A GATv2 node reads two compressed N x H x C inputs (``x_l``,
+``x_r``) and emits two N x H x C gradients (GAT: one of each), so what the probe holds there
+decides it:
 
 - the user's backward: the node's two gradients, waiting for their projections' nodes;
-- (no longer: the probe carries the first replay's noise down before the second replay
-  runs, so the second replay's two gradients' differences do not wait through that walk);
-- inside that partial backward, the attention node of the layer below: both dequantized
-  inputs and both gradients at once (GAT's lean backward releases its one input first).
+- the probe carries the first replay's noise down before the second replay runs, and drops
+  the second input's dequantized copy before the first replay;
+- the replays and the partial backwards read a compressed ``x_l`` and ``x_r`` in parts
+  (``reads_row_chunks``: gathers from ``x_l``'s unpacked codes, ``x_r`` a row range at a
+  time), never dequantized whole, with edge chunks small next to an N x H x C tensor.
 """
 
 import pytest
@@ -45,20 +46,14 @@ def test_gatv2_steady_step_holds_what_fixed_bits_hold(gatv2_peaks):
     assert default["peak_units"] <= 1.02 * fixed["peak_units"], (default, fixed)
 
 
-def test_gatv2_probed_steps_peak_in_the_probe(gatv2_peaks):
-    """Steps 0 and 1 are probed, and their peak is the probe's work, not the user's backward."""
+def test_gatv2_probed_steps_run_the_probe_within_the_fixed_step(gatv2_peaks):
+    """Steps 0 and 1 are probed (the probe's work has a peak of its own), and that peak stays
+    within the bound of the fixed step's."""
+    fixed = max(f["peak_units"] for f in gatv2_peaks["fixed"])
     for s in gatv2_peaks["default"][:2]:
-        assert s["probe_peak_units"] == s["peak_units"] > max(
-            f["peak_units"] for f in gatv2_peaks["fixed"]
-        ), s
+        assert 0 < s["probe_peak_units"] <= 1.10 * fixed, s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GATv2's re-planning steps peak above the bound: the probe still holds a few N x H "
-    "x C tensors more at a GATv2 node than fixed bits (module docstring; figures in "
-    "docs/design.md); not fixed yet",
-)
 def test_gatv2_default_mode_worst_step_within_the_fixed_bit_envelope(gatv2_peaks):
     worst = max(s["peak_units"] for s in gatv2_peaks["default"])
     assert worst <= 1.10 * max(s["peak_units"] for s in gatv2_peaks["fixed"])
