@@ -66,8 +66,9 @@ def _run(model_key: str, steps: int, **kw) -> dict:
     planner = getattr(ctl, "budget", None)
     if planner is not None:
         hist = planner.history
-        out["steps"] = [[h["phase"], h["probe"], h["meter"], h["measured"]] for h in hist]
-        at = [i for i, h in enumerate(hist) if h["phase"] == "planned" and not h["probe"]]
+        probe = [h.get("probe", False) for h in hist]  # (older checkouts record none)
+        out["steps"] = [[h["phase"], p, h["meter"], h["measured"]] for h, p in zip(hist, probe)]
+        at = [i for i, h in enumerate(hist) if h["phase"] == "planned" and not probe[i]]
         every = [h["measured"] for h in hist if h["measured"] is not None]
         if at and every:
             out["worst_over_planned"] = max(every) / max(hist[i]["measured"] for i in at)
@@ -96,7 +97,7 @@ def main() -> None:
         runs[f"budget {b / mib:.2f} MiB"] = _run(args.model, args.steps, memory_budget=b)
     for key, r in runs.items():
         line = f"{key}: counted MiB " + " ".join(f"{c / mib:.2f}" for c in r["counted"])
-        if "steps" in r:
+        if r.get("steps"):
             line += "\n    planner " + " ".join(
                 f"{p[0][:2]}{'+probe' if p[1] else ''}:{p[3] / mib:.2f}" for p in r["steps"]
             )

@@ -216,6 +216,7 @@ class BudgetPlanner:
         #: leaves room for it (`_arm_probe`); True until it has run (or cannot)
         self._probe_wanted = _defers_probe(ctl.adapter)
         self._probe_step: int | None = None  # the step the probe was armed for
+        self._probe_for: tuple | None = None  # and the inputs whose plan leaves it room
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -304,11 +305,13 @@ class BudgetPlanner:
         state, self._scale = self.plans.get(signature), 1.0
         if state is None:
             state, self._scale = self._size_class(signature)
+        if self._probe_step is not None and (state is None or signature != self._probe_for):
+            # armed for a planned step of other inputs (the plan with room for it); this one
+            # profiles or runs another plan: closed before it replays anything
+            self._probe_step = None
+            self._pause_probes()
         if state is None:
             self._phase = "profile"
-            if self._probe_step is not None:  # armed for a planned step; this one profiles
-                self._probe_step = None
-                self._pause_probes()
             self._recomputing = bool(self.segments) and (
                 self.recompute is True
                 or (self.recompute == "auto" and signature in self.compress_profiled)
@@ -648,6 +651,13 @@ class BudgetPlanner:
             )
         if self._probe_wanted and self._sensitivities():  # known (a probe ran, a loaded state)
             self._probe_wanted = False
+        if self._probe_step != ctl.step:  # only the plans kept (size classes drop some)
+            if not self._probe_wanted:
+                self._profile_inputs.clear()
+            else:
+                self._profile_inputs = {
+                    k: v for k, v in self._profile_inputs.items() if k in self.plans
+                }
         if self._probe_step == ctl.step:
             self._after_probe()
         elif self._probe_wanted and state is not None:
@@ -731,11 +741,12 @@ class BudgetPlanner:
         if isinstance(chosen, Deferred):
             self.compress_profiled[self._signature] = chosen
             return None
-        self._profile_inputs[self._signature] = _ProfileInputs(
-            fig, tensors, dict(self._inner), {k: set(v) for k, v in self._referenced.items()},
-            dict(self._recompute_seconds), dict(self._recompute_rise), dict(self._shared),
-            self._probe_estimate(tensors + all_inner),
-        )  # fmt: skip
+        if self._probe_wanted:  # kept for choosing again once the probe has run
+            self._profile_inputs[self._signature] = _ProfileInputs(
+                fig, tensors, dict(self._inner), {k: set(v) for k, v in self._referenced.items()},
+                dict(self._recompute_seconds), dict(self._recompute_rise), dict(self._shared),
+                self._probe_estimate(tensors + all_inner),
+            )  # fmt: skip
         return chosen
 
     def _what(self) -> str:
@@ -806,6 +817,7 @@ class BudgetPlanner:
         adapter.attach(self.ctl)
         adapter.next_estimate = self.ctl.step + 1
         self._probe_step = self.ctl.step + 1
+        self._probe_for = self._signature
 
     def _after_probe(self) -> None:
         """The probed step ended (its estimate taken by the allocator at this
@@ -814,9 +826,10 @@ class BudgetPlanner:
         self._probe_step = None
         self._probe_wanted = False
         self._pause_probes()
+        kept, self._profile_inputs = self._profile_inputs, {}  # needed no more
         if not self._sensitivities():
             return
-        for signature, src in self._profile_inputs.items():
+        for signature, src in kept.items():
             state = self.plans.get(signature)
             if state is not None and state.signature == signature:
                 self._solve_again(state, src)

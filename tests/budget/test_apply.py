@@ -344,6 +344,28 @@ def test_probes_stop_once_a_plan_is_in_force(least):
     ctl.remove()
 
 
+def test_a_probe_armed_for_one_inputs_plan_is_closed_when_other_inputs_come(least):
+    # armed after the first graph's profile step, for its next step, by that graph's plan's
+    # room; the next step brings another graph (planned through the size class, a plan the
+    # room was not checked for): the probe is closed before its forward (no replay, no
+    # estimate), and the first graph's next planned step arms it again
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
+    small, other = _graph(600), _graph(800, seed=1)
+    opt = _train(model, ctl, small, 1)
+    planner = ctl.budget
+    assert planner._probe_step == 1 and ctl.adapter._probe is not None
+    _train(model, ctl, other, 1, opt)
+    assert [h["phase"] for h in planner.history] == ["profile", "planned"]
+    assert not planner.history[1]["probe"] and ctl.adapter.n_estimates == 0
+    assert planner._probe_step is None and ctl.adapter._probe is None
+    _train(model, ctl, small, 2, opt)
+    assert [h["probe"] for h in planner.history[2:]] == [False, True]
+    assert ctl.adapter.n_estimates == 1
+    assert all(h["measured"] <= planner.budget for h in planner.history)
+    ctl.remove()
+
+
 def test_generous_budget_keeps_everything_and_matches_stock_gradients():
     x, ei, y = _graph(400)
     ref = _model()
