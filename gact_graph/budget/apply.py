@@ -33,12 +33,21 @@ recomputations (gradients, optimizer state, workspaces, dequantized copies in ba
 CUDA: including them), never less than twice the largest saved tensor plus three times the
 parameters. The plan must fit ``budget * (1 - margin)``.
 
-**Accuracy.** With sensitivities from the adaptive allocator (``adaptive=True``: its estimate
-of the profile step), the plan's added gradient variance :math:`\\sum_l c_l S(b_l)` may not
-exceed what the allocator's own plan at the configured average bits gives; tensors without an
-estimate (what segments save inside) never go below the default width (the widest quantizer
-width not above ``bits``). Without sensitivities no tensor goes below the default width.
-Once a plan is in force the allocator's probes stop (`BudgetPlanner._pause_probes`).
+**Accuracy.** With sensitivities from the adaptive allocator (``adaptive=True``), the plan's
+added gradient variance :math:`\\sum_l c_l S(b_l)` may not exceed what the allocator's own
+plan at the configured average bits gives; tensors without an estimate (what segments save
+inside) never go below the default width (the widest quantizer width not above ``bits``).
+Without sensitivities no tensor goes below the default width.
+
+**The probe waits for room.** The allocator's sensitivity probe (its replays and partial
+backwards, the copies it keeps until its estimate) does not run in the profile step, which
+therefore holds what a fixed 1-bit step holds: a budget that fixed 1 bit meets in every step
+is admitted. The first plan is chosen without sensitivities; the probe then runs in one later
+planned step whose plan compresses a tensor and leaves room below the budget for the probe's
+estimate from shapes (`BudgetPlanner._probe_estimate`), and every exact-shape plan is chosen
+again with the sensitivities it measured. Where no plan leaves that room, no probe runs and
+the plan keeps the default width (or relaxes it, with a warning). The allocator's probes are
+paused otherwise (`BudgetPlanner._pause_probes`).
 
 **Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
 bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
@@ -62,10 +71,10 @@ is admitted only by what it really held.
 **Errors.** A budget below both raises `BudgetError` naming the smallest feasible budget (the
 lesser of a profile step's measured peak and the least relaxed plan's prediction with the
 margin, over both profiles where two ran, but at least the peak of every profile step a rerun
-runs before it is admitted, its probe and adjacency build included; plus 2 % and 512 KiB,
+runs before it is admitted, its adjacency build included; plus 2 % and 512 KiB,
 `NAMED_SLACK` and `NAMED_SLACK_BYTES`, so that a rerun at the named figure, which measures
 its own profile step, is admitted and met in every step), at the ``ctl.iterate()`` of the last
-profile step. A profile step whose own peak by the meter in use (its probe and the graph's
+profile step. A profile step whose own peak by the meter in use (the graph's
 one-time work included) exceeds the budget is refused at that ``ctl.iterate()``, with no
 recompute profile after it: an admitted budget covers every step, the profile step
 included. The forward's lower bound from shapes (saved bytes at 1 bit, the largest saved
@@ -87,13 +96,16 @@ profile a new class (at most `BudgetPlanner.MAX_CLASSES` per structure).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
 from gact_graph.budget.measure import forward_lower_bound, profile_figures, segment_tensors
@@ -113,6 +125,7 @@ from gact_graph.budget.units import build_units
 from gact_graph.config import FIXED_BITS, format_bytes
 from gact_graph.core.controller import Controller
 from gact_graph.core.saved import tensors_in
+from gact_graph.policy.adaptive import Adapter
 from gact_graph.policy.levels import CheckpointManager, SwapManager
 from gact_graph.switches import is_lean, is_once_per_graph
 
@@ -195,6 +208,15 @@ class BudgetPlanner:
         self._device: torch.device | None = None
         self._warned_resident = False
         self._last_counter: PeakBytes | None = None
+        #: what each exact-shape profile was planned from, for solving again once the
+        #: sensitivity probe has run (`_ProfileInputs`)
+        self._profile_inputs: dict[tuple, _ProfileInputs] = {}
+        #: the adaptive allocator's probe is held back from the profile step (which then
+        #: holds what a fixed 1-bit step holds) and runs in a later planned step whose plan
+        #: leaves room for it (`_arm_probe`); True until it has run (or cannot)
+        self._probe_wanted = _defers_probe(ctl.adapter)
+        self._probe_step: int | None = None  # the step the probe was armed for
+        self._probe_for: tuple | None = None  # and the inputs whose plan leaves it room
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -203,6 +225,8 @@ class BudgetPlanner:
         ctl.add_handle(root.register_forward_hook(self._after_forward, always_call=True))
         ctl.add_step_hook(self._after_step)
         ctl.report_extra.append(self.report)
+        if self._probe_wanted:
+            self._pause_probes()  # the first step profiles: no probe there (see above)
 
         def undo() -> None:
             self._end_live()
@@ -281,6 +305,11 @@ class BudgetPlanner:
         state, self._scale = self.plans.get(signature), 1.0
         if state is None:
             state, self._scale = self._size_class(signature)
+        if self._probe_step is not None and (state is None or signature != self._probe_for):
+            # armed for a planned step of other inputs (the plan with room for it); this one
+            # profiles or runs another plan: closed before it replays anything
+            self._probe_step = None
+            self._pause_probes()
         if state is None:
             self._phase = "profile"
             self._recomputing = bool(self.segments) and (
@@ -556,7 +585,7 @@ class BudgetPlanner:
                 live, self._meter, peak, measured, cuda=self._device.type == "cuda",
                 rest=self._rest(), base=self._base, static=self._static,
                 ledger_start=self._ledger_start, ledger=self._ledger,
-                trusted=self._rectifies(), carried=self._carried,
+                trusted=self._rectifies(), carried=self._carried, dropped=self._grad_storages(),
             )  # fmt: skip
             self._carried = fig.carried
             growth, outside, profile_peak = fig.growth, fig.outside, fig.profile_peak
@@ -588,6 +617,7 @@ class BudgetPlanner:
                 "counted": counted,
                 "accounted": accounted,
                 "rectified": rectified,
+                "probe": self._probe_step == ctl.step,
             }
         )
         del self.history[:-256]
@@ -619,6 +649,31 @@ class BudgetPlanner:
                 "(budget_rectify=True trusts it without)",
                 stacklevel=2,
             )
+        if self._probe_wanted and self._sensitivities():  # known (a probe ran, a loaded state)
+            self._probe_wanted = False
+        if self._probe_step != ctl.step:  # only the plans kept (size classes drop some)
+            if not self._probe_wanted:
+                self._profile_inputs.clear()
+            else:
+                self._profile_inputs = {
+                    k: v for k, v in self._profile_inputs.items() if k in self.plans
+                }
+        if self._probe_step == ctl.step:
+            self._after_probe()
+        elif self._probe_wanted and state is not None:
+            self._arm_probe(state, judged if phase == "planned" else None)
+
+    def _grad_storages(self) -> list[int]:
+        """Addresses of the parameters' gradients' storages: a later step's
+        ``zero_grad()`` (``set_to_none=True``, PyTorch's default) frees them before its
+        forward, so a profile step's figure for later steps does not carry them (where they
+        are kept, the meter judging the planned steps sees them)."""
+        out = []
+        for p in self.ctl.model.parameters():
+            if p.grad is not None and p.grad.layout == torch.strided:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    out.append(StorageWeakRef(p.grad.untyped_storage()).cdata)
+        return out
 
     def _rectifies(self) -> bool:
         """Whether the device's own meter (CUDA's allocator, the CPU resident set) is trusted
@@ -686,6 +741,12 @@ class BudgetPlanner:
         if isinstance(chosen, Deferred):
             self.compress_profiled[self._signature] = chosen
             return None
+        if self._probe_wanted:  # kept for choosing again once the probe has run
+            self._profile_inputs[self._signature] = _ProfileInputs(
+                fig, tensors, dict(self._inner), {k: set(v) for k, v in self._referenced.items()},
+                dict(self._recompute_seconds), dict(self._recompute_rise), dict(self._shared),
+                self._probe_estimate(tensors + all_inner),
+            )  # fmt: skip
         return chosen
 
     def _what(self) -> str:
@@ -702,23 +763,130 @@ class BudgetPlanner:
         avg = float(getattr(self.ctl.adapter, "avg_bits", self.default_bits))
         return variance_cap(tensors, self._sensitivities(), self.group_size, avg, self.lossless)
 
-    def _units(self, tensors: list[TensorInfo], relaxed: bool) -> tuple[list[Unit], int]:
+    def _units(
+        self, tensors: list[TensorInfo], relaxed: bool, src: _ProfileInputs | None = None
+    ) -> tuple[list[Unit], int]:
         """The units and the bytes no option changes (`build_units`); ``relaxed``: every unit
         may go down to 1 bit (what the accuracy bound forbids for tensors without an
-        estimate)."""
+        estimate); ``src``: a finished profile's records (default: this step's)."""
+        if src is None:
+            src = _ProfileInputs(
+                None, tensors, self._inner, self._referenced, self._recompute_seconds,
+                self._recompute_rise, self._shared, 0,
+            )  # fmt: skip
         return build_units(
             tensors, relaxed, c=self._sensitivities(), timer=self._timer, swap=self.swap,
             segments=self.segments, segment_of=self._segment_of, in_segment=self._in_segment,
-            inner_of=self._inner, referenced=self._referenced,
-            recompute_seconds=self._recompute_seconds, recompute_rise=self._recompute_rise,
-            shared=self._shared, lossless=self.lossless, default_bits=self.default_bits,
+            inner_of=src.inner, referenced=src.referenced,
+            recompute_seconds=src.recompute_seconds, recompute_rise=src.recompute_rise,
+            shared=src.shared, lossless=self.lossless, default_bits=self.default_bits,
             group_size=self.group_size,
         )  # fmt: skip
+
+    # ---------------------------------------------------------------- deferred probe
+    def _probe_estimate(self, tensors: list[TensorInfo]) -> int:
+        """What the sensitivity probe adds to a step's peak, from shapes (it is not run
+        to measure it): its replays, the partial backwards that carry their noise to the
+        parameters, and the dequantized copies and per-row counts it keeps until its
+        estimate, allowed for as `PROBE_ACTIVATIONS` fp32 copies of the largest saved tensor,
+        plus a copy of the parameters' gradients."""
+        largest = max((t.orig_bytes for t in tensors), default=0)
+        params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
+        return self.PROBE_ACTIVATIONS * largest + params
+
+    #: copies of the largest saved tensor the probe's estimate allows for (`_probe_estimate`;
+    #: the measured ratios are in ``docs/design.md``)
+    PROBE_ACTIVATIONS = 6
+
+    def _arm_probe(self, state: PlanState, judged: int | None) -> None:
+        """After a step of a plan for exactly these inputs: arm the adaptive allocator's
+        sensitivity probe for the next step where the plan leaves room for it below the
+        budget (what it predicts, or what this step measured if more, plus the probe's
+        estimate) and compresses a tensor (the probe measures compressed tensors only). A
+        plan shared by a size class is not probed (the next batch's size is not known here)."""
+        src = self._profile_inputs.get(self._signature)
+        if src is None or self.plans.get(self._signature) is not state or self._scale != 1.0:
+            return
+        if not any(o.mode == "compress" for o in state.plan.choice.values()):
+            return  # the probe estimates compressed tensors only: none to learn of yet
+        held = max(state.predicted, judged or 0)
+        if held + src.probe_need > self.budget:
+            return
+        adapter = self.ctl.adapter
+        adapter.next_estimate = self.ctl.step  # `attach` arms it for the coming step
+        adapter.attach(self.ctl)
+        adapter.next_estimate = self.ctl.step + 1
+        self._probe_step = self.ctl.step + 1
+        self._probe_for = self._signature
+
+    def _after_probe(self) -> None:
+        """The probed step ended (its estimate taken by the allocator at this
+        ``ctl.iterate()``): pause the probes again and solve every exact-shape plan again
+        with the sensitivities (the accuracy bound's variance cap now known)."""
+        self._probe_step = None
+        self._probe_wanted = False
+        self._pause_probes()
+        kept, self._profile_inputs = self._profile_inputs, {}  # needed no more
+        if not self._sensitivities():
+            return
+        for signature, src in kept.items():
+            state = self.plans.get(signature)
+            if state is not None and state.signature == signature:
+                self._solve_again(state, src)
+
+    def _solve_again(self, state: PlanState, src: _ProfileInputs) -> None:
+        """Choose ``state``'s plan again from its profile's figures and the sensitivities
+        now known (what the rectifier added stays); changed in place, so size classes that
+        share it follow. A plan not found keeps the one in force."""
+        signature = state.signature
+        fig = dataclasses.replace(src.fig, correction=max(src.fig.correction, state.correction))
+        units, fixed = self._units(src.tensors, relaxed=False, src=src)
+        loose = self._units(src.tensors, relaxed=True, src=src)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # said at the first plan where it applies
+            try:
+                chosen = select_plan(
+                    fig, units, fixed, loose, self._variance_cap(src.tensors),
+                    budget=self.budget, margin=self.margin, meter=self.meter,
+                    default_bits=self.default_bits,
+                    earlier=self.compress_profiled.get(signature),
+                    may_recompute_next=False, what="nothing recomputed",
+                )  # fmt: skip
+            except BudgetError:
+                return
+        if not isinstance(chosen, PlanState) or signature != chosen.signature:
+            return
+        if chosen.predicted > max(state.predicted, self.budget * (1 - self.margin)):
+            return  # never a plan predicted to hold more than the one in force, over the margin
+        for name in ("plan", "units", "variance_cap", "relaxed", "profile_memory"):
+            setattr(state, name, getattr(chosen, name))
+        state.recompute, state.swap = chosen.recompute, chosen.swap
 
     # ---------------------------------------------------------------- report
     def report(self) -> str:
         """The plan per unit and predicted vs measured peak per step (`budget_report`)."""
         return budget_report(self.budget, self.margin, self.meter, self.plan_state, self.history)
+
+
+class _ProfileInputs(NamedTuple):
+    """What a finished profile step's plan was chosen from (`BudgetPlanner._units`): its
+    figures, saved tensors and per-segment records; ``probe_need`` the sensitivity probe's
+    estimated cost (`BudgetPlanner._probe_estimate`)."""
+
+    fig: ProfileFigures | None
+    tensors: list[TensorInfo]
+    inner: dict[str, list[TensorInfo]]
+    referenced: dict[str, set[str]]
+    recompute_seconds: dict[str, float]
+    recompute_rise: dict[str, int]
+    shared: dict[int, int]
+    probe_need: int
+
+
+def _defers_probe(adapter: Any) -> bool:
+    """Whether ``adapter`` is the adaptive allocator estimating by its probe, which the
+    planner holds back from profile steps and runs in a later step with room for it."""
+    return isinstance(adapter, Adapter) and adapter.estimator == "probe"
 
 
 def attach_budget(ctl: Controller) -> BudgetPlanner:

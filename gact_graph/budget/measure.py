@@ -5,6 +5,7 @@ lower bound a profile step's forward checks from its shapes (`forward_lower_boun
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ def profile_figures(
     ledger: dict[int, tuple[Any, int]],
     trusted: bool,
     carried: int,
+    dropped: Iterable[int] = (),
 ) -> MeasuredProfile:
     """The figures of a profile step just ended: ``live`` its counted meter (CPU; None where
     none ran), ``meter`` its device meter with ``peak`` and ``measured`` read from it,
@@ -57,7 +59,9 @@ def profile_figures(
     ``static`` the parameters', buffers' and inputs' bytes, ``ledger_start`` the ledger's
     bytes alive at its start, ``ledger`` the counted meter's ledger (what it created and
     still holds is added to it), ``trusted`` whether the device's meter seeds the
-    correction, ``carried`` the carried bytes so far (kept where no counted meter ran)."""
+    correction, ``carried`` the carried bytes so far (kept where no counted meter ran),
+    ``dropped`` the storage addresses alive now that a later step drops before its peak (the
+    parameters' gradients, which ``zero_grad()`` sets to None): not carried."""
     growth = outside = None
     once_only = 0  # what once-per-graph work added to the step's counted peak (CPU)
     alive_all = None
@@ -68,7 +72,7 @@ def profile_figures(
         # state, PyG's per-layer cached graphs of ``cached=True``) and what this one created
         # after its peak; a later profile step (a new shape, a recompute profile) does not
         # create the former again, yet starts with it
-        carried = ledger_start + live.created_after_peak()
+        carried = ledger_start + live.created_after_peak(dropped)
         for key, (ref, nbytes, _, _) in live._live.items():
             if not ref.expired():
                 ledger[key] = (ref, nbytes)

@@ -215,17 +215,21 @@ class LiveBytes(TorchDispatchMode):
         self._sweep()
         self._window = (self.bytes, self.bytes)
 
-    def created_after_peak(self) -> int:
+    def created_after_peak(self, skip: Iterable[int] = ()) -> int:
         """What a later step holds beyond ``outside_peak`` because it starts with what this
         step left alive: over the moments the outside bytes reached a new high, the most of
         those bytes plus the bytes alive now that did not exist yet then, less
         ``outside_peak`` (at least what is alive now and was created after that peak; cyclic
-        garbage collected first: what waits for the collector is not carried). Taken at the
+        garbage collected first: what waits for the collector is not carried; storages whose
+        address is in ``skip`` are not carried either). Taken at the
         peak alone, a storage created before it but after an earlier near-peak (a first
         step's adjacency, built in the first layer) would be missed there."""
         gc.collect()
         self._sweep()
-        alive = sorted((serial, n) for _, n, serial, _ in self._live.values())
+        skip = set(skip)
+        alive = sorted(
+            (serial, n) for key, (_, n, serial, _) in self._live.items() if key not in skip
+        )
         serials = [serial for serial, _ in alive]
         after = [0] * (len(alive) + 1)  # after[i]: bytes of alive[i:]
         for i in range(len(alive) - 1, -1, -1):

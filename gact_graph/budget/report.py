@@ -62,8 +62,8 @@ def budget_report(
         f"smallest feasible budget {format_bytes(state.least_budget)}; profile step "
         f"measured {_fmt(state.profile_peak)}"
         + (
-            f" for later steps, {format_bytes(state.profile_whole)} itself (its probe and "
-            "adjacency build included)"
+            f" for later steps, {format_bytes(state.profile_whole)} itself (its adjacency "
+            "build, and a probe where one ran, included)"
             if state.profile_whole is not None and state.profile_whole != state.profile_peak
             else ""
         )
@@ -85,6 +85,7 @@ def budget_report(
             f"{h['step']:>6} {h['phase']:<8} {_fmt(h['predicted']):>12} "
             f"{_fmt(h['measured']):>12} {h.get('meter', '-'):>6} "
             f"{_fmt(h.get('resident')):>12} {format_bytes(h['accounted']):>12}"
+            + ("  sensitivity probe" if h.get("probe") else "")
             + ("  over budget: re-planned" if h.get("rectified")
                else "  over budget" if over and h["phase"] == "planned" else "")
         )  # fmt: skip

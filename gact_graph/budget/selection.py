@@ -43,8 +43,8 @@ class ProfileFigures:
     ``outside``: the same outside the segments' recomputations and the probe's work (CPU;
     None: not measured apart); ``profile_peak``: what a later step at the profile step's
     setting holds, measured (None: not measurable); ``correction``: what a trusted meter saw
-    beyond the tensors; ``whole``: the profile step's own peak, its probe and adjacency build
-    included; ``lower_bound``: the bound its forward checked."""
+    beyond the tensors; ``whole``: the profile step's own peak, its adjacency build (and a
+    probe where one ran) included; ``lower_bound``: the bound its forward checked."""
 
     signature: tuple
     step: int
@@ -152,8 +152,8 @@ def select_plan(
         # rerun's profile step holds as much again
         raise BudgetError(
             f"gact_graph: memory_budget={format_bytes(budget)} cannot be met: the "
-            f"profile step (every saved tensor at 1 bit, {what}, the sensitivity "
-            f"probe and the graph's one-time work included) held {format_bytes(whole)} "
+            f"profile step (every saved tensor at 1 bit, {what}, the graph's one-time "
+            f"work included) held {format_bytes(whole)} "
             f"({METERS[meter]}); the smallest feasible budget is "
             f"{format_bytes(least_budget)}"
             + (

@@ -43,9 +43,9 @@ class PlanState:
     rectified: int = 0
     #: ``plan.memory`` of the profile step's own setting (``relaxed == "profile"``)
     profile_memory: int = 0
-    #: the profile step's own peak, its probe and adjacency build included (what a rerun's
-    #: profile step holds again; CUDA: ``profile_peak``; CPU: the larger of the counted peak
-    #: and, where trusted, the resident set's)
+    #: the profile step's own peak, its adjacency build (and a probe where one ran)
+    #: included (what a rerun's profile step holds again; CUDA: ``profile_peak``; CPU: the
+    #: larger of the counted peak and, where trusted, the resident set's)
     profile_whole: int | None = None
 
     @property

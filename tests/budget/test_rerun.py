@@ -217,7 +217,7 @@ def _counted_steps(steps: int = 3, **kw) -> tuple[list[int], object]:
 
 
 def test_the_profile_step_holds_no_more_than_the_fixed_one_bit_step(monkeypatch):
-    """The profile step (every tensor at 1 bit, the sensitivity probe, the layers' first
+    """The profile step (every tensor at 1 bit, no sensitivity probe, the layers' first
     cached graphs) holds at most 1.2x what fixed 1-bit steps hold, counted the same way; a
     budget the named figure admits is met in every step; and below what compressing alone
     admits, the recompute profile's plan counts the cached graphs the first step built (once
@@ -245,15 +245,15 @@ def test_the_profile_step_holds_no_more_than_the_fixed_one_bit_step(monkeypatch)
 
 
 def test_a_budget_between_later_steps_and_the_profile_step_is_met_or_refused(monkeypatch):
-    """A budget just above what later steps at the profile step's setting hold, but below
-    the profile step's own peak (its probe and the graph's one-time work): either admitted
-    and met in every step, the profile step included, or refused naming a figure at which
-    a rerun is admitted and met in every step (once admitted, and the profile step held
-    more than the budget)."""
+    """A budget between what later steps at the profile step's setting hold and the profile
+    step's own peak (the graph's one-time work in it; later steps start with the optimizer
+    state): either admitted and met in every step, the profile step included, or refused
+    naming a figure at which a rerun is admitted and met in every step (once admitted, and
+    the profile step, then running the sensitivity probe, held more than the budget)."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     _, planner = _counted_steps(1, memory_budget="1GiB")
     st = planner.plan_state
-    assert st.profile_whole > st.profile_peak  # the profile step holds more than later steps
+    assert st.profile_whole != st.profile_peak
     budget = (st.profile_peak + st.profile_whole) // 2
 
     def met(budget, peaks, planner):
@@ -272,25 +272,77 @@ def test_a_budget_between_later_steps_and_the_profile_step_is_met_or_refused(mon
 
 def test_a_budget_fixed_two_bits_meets_is_admitted_and_met(monkeypatch):
     """5 % above what fixed 2 bits holds in every step: admitted and met in every step, the
-    profile step included, counted independently too; or, where the profile step (its
-    sensitivity probe) held more than that, refused naming a figure within 1.2x what fixed
-    1-bit steps hold, at which a rerun is admitted and met in every step. Which of the two
-    depends on what ran before in the process (the profile step counts 12.05-12.24 MiB,
-    `docs/results/budget.md`)."""
+    profile step included, counted independently too (while the profile step ran the
+    sensitivity probe, such a budget was refused when other tests had run before it in the
+    process: the profile step counted 12.24 MiB against 12.23)."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed2, _ = _counted_steps(bits=2, adaptive=False)
     fixed1, _ = _counted_steps(bits=1, adaptive=False)
     budget = int(max(fixed2) * 1.05)
-    try:
-        peaks, planner = _counted_steps(4, memory_budget=budget)
-    except BudgetError as refused:
-        assert refused.exact and budget < refused.least_budget <= 1.2 * max(fixed1)
-        budget = refused.least_budget
-        peaks, planner = _counted_steps(4, memory_budget=budget)
+    peaks, planner = _counted_steps(4, memory_budget=budget)
     assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
     assert peaks[0] <= 1.2 * max(fixed1)
     for h, counted in zip(planner.history, peaks):
         assert h["measured"] <= budget and counted <= budget, (peaks, budget)
+
+
+#: fixed 1 bit's steps, then a budget 0.5 % above its worst step, in a fresh process (what
+#: earlier runs in a process leave cached changes what its first steps count); prints JSON
+JUST_ABOVE = r"""
+import json, warnings
+from tests.budget.test_rerun import _counted_steps
+fixed1, _ = _counted_steps(bits=1, adaptive=False)
+budget = int(max(fixed1) * 1.005)
+peaks, planner = _counted_steps(5, memory_budget=budget)
+print(json.dumps(dict(fixed1=fixed1, budget=budget, peaks=peaks, history=planner.history)))
+"""
+
+
+@pytest.mark.parametrize("threshold", [False, True], ids=["glibc-default", "mmap-threshold"])
+def test_a_budget_just_above_fixed_one_bit_is_admitted_and_met(threshold):
+    """0.5 % above fixed 1 bit's worst step, counted: admitted, and every step within it, the
+    profile step included, by the planner's meter (counted bytes; with the threshold set, the
+    resident set) and counted independently. The profile step holds what a fixed 1-bit step
+    holds: the sensitivity probe is not run there but in a planned step that leaves room for
+    it, which this budget does not (once the probe ran in the profile step, and such a budget
+    was refused)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    done = subprocess.run(
+        [sys.executable, "-c", JUST_ABOVE],
+        env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    fixed1, budget, peaks, history = out["fixed1"], out["budget"], out["peaks"], out["history"]
+    assert [h["phase"] for h in history] == ["profile"] + ["planned"] * 4
+    assert not any(h["probe"] for h in history)
+    assert [h["meter"] for h in history] == ["rss" if threshold else "bytes"] * 5
+    assert peaks[0] <= max(fixed1), (peaks, fixed1)
+    for h, counted in zip(history, peaks):
+        assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
+
+
+def test_the_sensitivity_probe_runs_in_a_planned_step_with_room_for_it(monkeypatch):
+    """With room below the budget, the probe the profile step left out runs in the first
+    planned step, within the budget, and the plan is chosen again with the sensitivities it
+    measured (the accuracy bound's variance cap known; before, no tensor without an estimate
+    went below the default width)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fixed1, _ = _counted_steps(bits=1, adaptive=False)
+    budget = int(max(fixed1) * 1.15)
+    peaks, planner = _counted_steps(5, memory_budget=budget)
+    history = planner.history
+    assert [h["phase"] for h in history] == ["profile"] + ["planned"] * 4
+    assert [h["probe"] for h in history] == [False, True, False, False, False], history
+    assert planner.plan_state.variance_cap is not None and planner.ctl.adapter.c
+    assert peaks[0] <= max(fixed1), (peaks, fixed1)
+    for h, counted in zip(history, peaks):  # the probed step too
+        assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
+    # the probe is paused again: no later step probes
+    assert planner.ctl.adapter.next_estimate > planner.ctl.step + 1000
 
 
 def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
