@@ -45,9 +45,11 @@ therefore holds what a fixed 1-bit step holds: a budget that fixed 1 bit meets i
 is admitted. The first plan is chosen without sensitivities; the probe then runs in one later
 planned step whose plan compresses a tensor and leaves room below the budget for the probe's
 estimate from shapes (`BudgetPlanner._probe_estimate`), and every exact-shape plan is chosen
-again with the sensitivities it measured. Where no plan leaves that room, no probe runs and
-the plan keeps the default width (or relaxes it, with a warning). The allocator's probes are
-paused otherwise (`BudgetPlanner._pause_probes`).
+again with the sensitivities it measured. Where the plan in force leaves no such room, the
+probe step runs a tighter plan solved for the budget less the estimate, and the plan in force
+comes back after it; where none exists, no probe runs and the plan keeps the default width (or
+relaxes it, with a warning). The allocator's probes are paused otherwise
+(`BudgetPlanner._pause_probes`).
 
 **Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
 bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
@@ -217,6 +219,8 @@ class BudgetPlanner:
         self._probe_wanted = _defers_probe(ctl.adapter)
         self._probe_step: int | None = None  # the step the probe was armed for
         self._probe_for: tuple | None = None  # and the inputs whose plan leaves it room
+        #: the plan a probe step set aside for a tighter one, with the plan's state
+        self._set_aside: tuple[PlanState, dict[str, Any]] | None = None
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -309,6 +313,7 @@ class BudgetPlanner:
             # armed for a planned step of other inputs (the plan with room for it); this one
             # profiles or runs another plan: closed before it replays anything
             self._probe_step = None
+            self._restore_plan()
             self._pause_probes()
         if state is None:
             self._phase = "profile"
@@ -802,8 +807,10 @@ class BudgetPlanner:
         """After a step of a plan for exactly these inputs: arm the adaptive allocator's
         sensitivity probe for the next step where the plan leaves room for it below the
         budget (what it predicts, or what this step measured if more, plus the probe's
-        estimate) and compresses a tensor (the probe measures compressed tensors only). A
-        plan shared by a size class is not probed (the next batch's size is not known here)."""
+        estimate) and compresses a tensor (the probe measures compressed tensors only), or
+        where a plan solved for the budget less the estimate does (the probe step runs that
+        one, `_restore_plan` puts the plan in force back). A plan shared by a size class is
+        not probed (the next batch's size is not known here)."""
         src = self._profile_inputs.get(self._signature)
         if src is None or self.plans.get(self._signature) is not state or self._scale != 1.0:
             return
@@ -811,7 +818,15 @@ class BudgetPlanner:
             return  # the probe estimates compressed tensors only: none to learn of yet
         held = max(state.predicted, judged or 0)
         if held + src.probe_need > self.budget:
-            return
+            # no room under this plan: the probe step runs a tighter one, solved for what the
+            # budget leaves beside the probe's estimate, and the plan in force comes back after
+            tighter = self._choose(state, src, self.budget - src.probe_need)
+            if tighter is None or tighter.predicted + src.probe_need > self.budget:
+                return
+            if not any(o.mode == "compress" for o in tighter.plan.choice.values()):
+                return
+            self._set_aside = (state, {n: getattr(state, n) for n in self._PLAN_FIELDS})
+            self._adopt(state, tighter)
         adapter = self.ctl.adapter
         adapter.next_estimate = self.ctl.step  # `attach` arms it for the coming step
         adapter.attach(self.ctl)
@@ -825,6 +840,7 @@ class BudgetPlanner:
         with the sensitivities (the accuracy bound's variance cap now known)."""
         self._probe_step = None
         self._probe_wanted = False
+        self._restore_plan()
         self._pause_probes()
         kept, self._profile_inputs = self._profile_inputs, {}  # needed no more
         if not self._sensitivities():
@@ -834,10 +850,29 @@ class BudgetPlanner:
             if state is not None and state.signature == signature:
                 self._solve_again(state, src)
 
+    def _restore_plan(self) -> None:
+        """Put back the plan a probe step set aside for a tighter one (`_arm_probe`); what
+        the rectifier added to its correction meanwhile stays."""
+        if self._set_aside is not None:
+            state, fields = self._set_aside
+            self._set_aside = None
+            for name, value in fields.items():
+                setattr(state, name, value)
+
     def _solve_again(self, state: PlanState, src: _ProfileInputs) -> None:
         """Choose ``state``'s plan again from its profile's figures and the sensitivities
         now known (what the rectifier added stays); changed in place, so size classes that
         share it follow. A plan not found keeps the one in force."""
+        chosen = self._choose(state, src, self.budget)
+        if chosen is None:
+            return
+        if chosen.predicted > max(state.predicted, self.budget * (1 - self.margin)):
+            return  # never a plan predicted to hold more than the one in force, over the margin
+        self._adopt(state, chosen)
+
+    def _choose(self, state: PlanState, src: _ProfileInputs, budget: int) -> PlanState | None:
+        """A plan for ``state``'s inputs from its profile's figures under ``budget``, with
+        the sensitivities known now; None where none is found."""
         signature = state.signature
         fig = dataclasses.replace(src.fig, correction=max(src.fig.correction, state.correction))
         units, fixed = self._units(src.tensors, relaxed=False, src=src)
@@ -847,20 +882,27 @@ class BudgetPlanner:
             try:
                 chosen = select_plan(
                     fig, units, fixed, loose, self._variance_cap(src.tensors),
-                    budget=self.budget, margin=self.margin, meter=self.meter,
+                    budget=budget, margin=self.margin, meter=self.meter,
                     default_bits=self.default_bits,
                     earlier=self.compress_profiled.get(signature),
                     may_recompute_next=False, what="nothing recomputed",
                 )  # fmt: skip
             except BudgetError:
-                return
+                return None
         if not isinstance(chosen, PlanState) or signature != chosen.signature:
-            return
-        if chosen.predicted > max(state.predicted, self.budget * (1 - self.margin)):
-            return  # never a plan predicted to hold more than the one in force, over the margin
-        for name in ("plan", "units", "variance_cap", "relaxed", "profile_memory"):
+            return None
+        return chosen
+
+    #: what a plan decides, copied from a chosen `PlanState` into the one in force
+    _PLAN_FIELDS = (
+        "plan", "units", "variance_cap", "relaxed", "profile_memory", "recompute", "swap",
+    )  # fmt: skip
+
+    def _adopt(self, state: PlanState, chosen: PlanState) -> None:
+        """Make ``chosen``'s plan ``state``'s, in place (size classes that share ``state``
+        follow)."""
+        for name in self._PLAN_FIELDS:
             setattr(state, name, getattr(chosen, name))
-        state.recompute, state.swap = chosen.recompute, chosen.swap
 
     # ---------------------------------------------------------------- report
     def report(self) -> str:

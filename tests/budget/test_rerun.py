@@ -345,6 +345,38 @@ def test_the_sensitivity_probe_runs_in_a_planned_step_with_room_for_it(monkeypat
     assert planner.ctl.adapter.next_estimate > planner.ctl.step + 1000
 
 
+def test_the_probe_step_runs_a_tighter_plan_where_the_plan_in_force_leaves_no_room(
+    monkeypatch,
+):
+    """Where the plan in force plus the probe's estimate exceeds the budget, the probe step
+    runs a plan solved for what the budget leaves beside the estimate, within the budget;
+    after it the plan is chosen again with the sensitivities it measured."""
+    from gact_graph.budget.apply import BudgetPlanner
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fixed1, _ = _counted_steps(bits=1, adaptive=False)
+    budget = int(max(fixed1) * 1.25)
+    # an estimate the first plan leaves no room for, and a 1-bit plan does
+    monkeypatch.setattr(BudgetPlanner, "PROBE_ACTIVATIONS", 12)
+    arming, arm = [], BudgetPlanner._arm_probe
+
+    def recording(self, state, judged):
+        need = self._profile_inputs[self._signature].probe_need
+        arming.append((state.predicted, need))
+        arm(self, state, judged)
+
+    monkeypatch.setattr(BudgetPlanner, "_arm_probe", recording)
+    peaks, planner = _counted_steps(5, memory_budget=budget)
+    history = planner.history
+    assert [h["probe"] for h in history] == [False, True, False, False, False], history
+    in_force, need = arming[0]
+    assert in_force + need > budget, (arming, budget)  # no room under the first plan
+    assert history[1]["predicted"] + need <= budget, (history, need)  # the tighter plan
+    assert planner.ctl.adapter.c and planner.plan_state.variance_cap is not None
+    for h, counted in zip(history, peaks):  # the probe step too
+        assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
+
+
 def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
     """RandomNodeLoader: every batch has other node and edge counts. After the first profile
     step every step runs at its plan's bits (one plan for a size class: per-tensor bytes
