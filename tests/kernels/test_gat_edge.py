@@ -12,27 +12,19 @@ variable set. Running the file directly with ``TRITON_INTERPRET=1`` works too. T
 tiny: the interpreter runs every program in Python.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from gact_graph.kernels import gat_edge as ge
-
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
-
-needs_kernels = pytest.mark.skipif(
-    not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
-    reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+from tests.kernels.interpreted import (
+    DEVICE,
+    HAS_CUDA,
+    HAS_TRITON,
+    INTERPRETED,
+    needs_kernels,
+    run_interpreted,
 )
+
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 #: tolerance of the kernels against the fp32 reference, by input dtype (the reference
 #: computes in fp32 on the same rounded inputs; the kernels' sums run in another order)
@@ -656,17 +648,6 @@ def test_kernels_compile_for_hopper_without_a_gpu(name):
 
 
 # ---------------------------------------------------------------------------- interpreter
-def _subprocess_env(**extra: str) -> dict:
-    env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "not subprocess and not cuda and not compile", "-W", "ignore::RuntimeWarning"]
-    env = _subprocess_env(TRITON_INTERPRET="1")
-    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
+    run_interpreted(__file__, "not subprocess and not cuda and not compile")

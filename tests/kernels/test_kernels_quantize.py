@@ -8,28 +8,25 @@ set. Running the file directly with ``TRITON_INTERPRET=1`` works too.
 """
 
 import importlib.util
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from gact_graph.core.quantize import SUPPORTED_BITS, _use_triton, quantize
 from gact_graph.kernels import quantize as kq
-
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
-FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-needs_kernels = pytest.mark.skipif(
-    not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
-    reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
+from tests.kernels.interpreted import (
+    DEVICE,
+    HAS_CUDA,
+    HAS_TRITON,
+    INTERPRETED,
+    REPO,
+    needs_kernels,
+    run_interpreted,
 )
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -244,20 +241,10 @@ def test_cuda_large_matches_reference():
     assert_matches_reference(torch.randn(70000, 7, device="cuda", dtype=torch.bfloat16), 4)
 
 
-def _subprocess_env(**extra: str) -> dict:
-    env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "not subprocess and not cuda and not compiled", "-W", "ignore::RuntimeWarning"]
-    env = _subprocess_env(TRITON_INTERPRET="1", GACT_GRAPH_FORCE_TRITON="1")
-    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
+    run_interpreted(__file__, "not subprocess and not cuda and not compiled",
+                    GACT_GRAPH_FORCE_TRITON="1")  # fmt: skip
 
 
 def test_our_modules_import_neither_triton_nor_cuda():

@@ -7,31 +7,21 @@ The kernel runs on CUDA, or on CPU in Triton's interpreter (``TRITON_INTERPRET=1
 Triton is imported): ``test_interpreter_in_subprocess`` re-runs this file so.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from gact_graph.core.quantize import pack_bool_mask
 from gact_graph.kernels.bitpack import PackedMask, pack_mask
+from tests.kernels.interpreted import (
+    DEVICE,
+    HAS_TRITON,
+    INTERPRETED,
+    needs_kernels,
+    run_interpreted,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
 # marked cuda too: the GPU suite's ``pytest -m cuda`` runs them compiled on the device
-needs_kernel = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
-        reason="needs Triton and CUDA, or TRITON_INTERPRET=1 (covered by the subprocess test)",
-    ),
-]
+needs_kernel = [pytest.mark.cuda, needs_kernels]
 
 
 def _kernel(f):
@@ -125,10 +115,4 @@ def test_interpreter_in_subprocess():
         pytest.skip("needs Triton")
     if INTERPRETED:
         pytest.skip("already interpreted")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "not subprocess", "-W", "ignore::RuntimeWarning"]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    res = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
+    run_interpreted(__file__, OMP_NUM_THREADS="1")
