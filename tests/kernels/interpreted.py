@@ -24,6 +24,12 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def kernel_test(f):
+    """`needs_kernels`, and the ``cuda`` mark: the GPU suite's ``pytest -m cuda`` runs the
+    test compiled on the device."""
+    return pytest.mark.cuda(needs_kernels(f))
+
+
 def subprocess_env(**extra: str) -> dict:
     """This process's environment with ``extra`` and the checkout first on ``PYTHONPATH``."""
     env = dict(os.environ, **extra)

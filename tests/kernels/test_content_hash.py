@@ -17,18 +17,9 @@ from tests.kernels.interpreted import (
     DEVICE,
     HAS_TRITON,
     INTERPRETED,
-    needs_kernels,
+    kernel_test,
     run_interpreted,
 )
-
-# marked cuda too: the GPU suite's ``pytest -m cuda`` runs them compiled on the device
-needs_kernel = [pytest.mark.cuda, needs_kernels]
-
-
-def _kernel(f):
-    for mark in needs_kernel:
-        f = mark(f)
-    return f
 
 
 def _torch_pair(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +39,7 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     return torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
 
 
-@_kernel
+@kernel_test
 @pytest.mark.parametrize("dtype", ch.HASHABLE_DTYPES)
 @pytest.mark.parametrize("n", [1, ch.BLOCK - 1, ch.BLOCK, 3 * ch.BLOCK + 17])
 def test_kernel_equals_the_torch_hash(dtype, n):
@@ -57,7 +48,7 @@ def test_kernel_equals_the_torch_hash(dtype, n):
     assert torch.equal(got.cpu(), _torch_pair(t))
 
 
-@_kernel
+@kernel_test
 def test_kernel_sees_a_swap_and_an_empty_tensor():
     a = torch.arange(5000).to(DEVICE)
     b = a.clone()
@@ -68,7 +59,7 @@ def test_kernel_sees_a_swap_and_an_empty_tensor():
     assert empty.tolist() == [0, 0] == _torch_pair(torch.empty(0, dtype=torch.int64)).tolist()
 
 
-@_kernel
+@kernel_test
 def test_hash_pair_takes_the_kernel_and_keeps_its_value(monkeypatch):
     """Through `_hash_pair` (what every forward's graph check calls): the kernel path on CUDA
     (or forced), with the value of the PyTorch path; an edge index's rows (views) included."""

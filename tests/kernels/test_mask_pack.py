@@ -16,18 +16,9 @@ from tests.kernels.interpreted import (
     DEVICE,
     HAS_TRITON,
     INTERPRETED,
-    needs_kernels,
+    kernel_test,
     run_interpreted,
 )
-
-# marked cuda too: the GPU suite's ``pytest -m cuda`` runs them compiled on the device
-needs_kernel = [pytest.mark.cuda, needs_kernels]
-
-
-def _kernel(f):
-    for mark in needs_kernel:
-        f = mark(f)
-    return f
 
 
 def _mask(shape, seed, p=0.4):
@@ -35,7 +26,7 @@ def _mask(shape, seed, p=0.4):
     return (torch.rand(shape, generator=gen) > p).to(DEVICE)
 
 
-@_kernel
+@kernel_test
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1023 * 8, 1024 * 8, 1024 * 8 + 1, 30001])
 def test_kernel_writes_the_pytorch_packing(n):
     from gact_graph.kernels.mask_pack import triton_pack_mask
@@ -53,7 +44,7 @@ def test_kernel_writes_the_pytorch_packing(n):
         assert not triton_pack_mask(zeros.view(torch.uint8)).any()
 
 
-@_kernel
+@kernel_test
 @pytest.mark.parametrize("make", ["shape", "transposed", "strided", "scalar"])
 def test_pack_bool_mask_takes_any_layout(monkeypatch, make):
     monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
@@ -75,7 +66,7 @@ def test_pack_bool_mask_rejects_non_bool():
         pack_bool_mask(torch.zeros(4))
 
 
-@_kernel
+@kernel_test
 def test_controller_stores_masks_with_the_kernel(monkeypatch):
     """A compressed forward with ReLU masks gives the same gradients and stats through the
     kernel as through the PyTorch packing."""
