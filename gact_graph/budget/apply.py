@@ -696,10 +696,10 @@ class BudgetPlanner:
         replan(state, measured, self.budget, self.margin, self.ctl.step)
 
     def _pause_probes(self) -> None:
-        """Stop the adaptive allocator's sensitivity probes once a plan is in force: the plan
-        decides every tensor's bits, so a later estimate would change nothing, and a probe
-        step holds more than a planned one and runs several times longer. The profile step's
-        own probe supplied the sensitivities."""
+        """Stop the adaptive allocator's sensitivity probes: the profile step and planned
+        steps do not probe (the plan decides every tensor's bits, and a probe step holds more
+        than a planned one and runs several times longer); `_arm_probe` lets one run in a
+        planned step with room for it."""
         adapter = self.ctl.adapter
         if adapter is not None and hasattr(adapter, "next_estimate"):
             adapter.next_estimate = sys.maxsize

@@ -119,10 +119,10 @@ def select_plan(
 
     In order: the fastest plan that meets the accuracy bound under ``budget * (1 -
     margin)``; else the fastest with the bound relaxed, with a warning; else, when the budget
-    is at least what a later step at the profile step's setting holds (measured, less the
-    probe's tensors), that setting (refusing it would refuse a budget just met). Otherwise,
-    where a recompute profile may follow, `Deferred`; else `BudgetError`, naming the smallest
-    budget one of these admits and a rerun meets in every step: a rerun at it runs this
+    is at least what a later step at the profile step's setting holds (measured, less a
+    probe's tensors where one ran), that setting (refusing it would refuse a budget just
+    met). Otherwise, where a recompute profile may follow, `Deferred`; else `BudgetError`,
+    naming the smallest budget one of these admits and a rerun meets in every step: a rerun at it runs this
     profile step again (and the one before it, where this is a recompute profile), so it is
     at least their own peaks. A warning points at the caller's caller (the step hook)."""
     rest = fig.rest
@@ -147,9 +147,9 @@ def select_plan(
         least = min(least, earlier[0])
     least_budget = named_budget(least)  # what a rerun, measuring again, admits
     if whole is not None and whole > budget:
-        # the profile step itself held more than the budget by the meter in use (its probe,
-        # its adjacency build): admitting would leave a step of this run over it, and a
-        # rerun's profile step holds as much again
+        # the profile step itself held more than the budget by the meter in use (its
+        # adjacency build, a probe where the allocator ran one): admitting would leave a
+        # step of this run over it, and a rerun's profile step holds as much again
         raise BudgetError(
             f"gact_graph: memory_budget={format_bytes(budget)} cannot be met: the "
             f"profile step (every saved tensor at 1 bit, {what}, the graph's one-time "
