@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 __all__ = [
     "LaunchConfig",
+    "decode_codes_",
     "decode_meta",
     "dequantize_reference",
     "forced_config",
@@ -827,6 +828,17 @@ def quantize_reference(
     return packed, meta.view(torch.bfloat16)
 
 
+def decode_codes_(vals: Tensor, scale: Tensor, lo: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp32 codes ``vals`` as the values they stand for, in place: ``code * scale + lo`` (the
+    product is exact, so a fused multiply-add gives the same), clamped to fp16's range for
+    fp16 output (see ``FP16_MAX``; the clamp keeps NaN groups NaN). ``scale`` and ``lo``
+    broadcast against ``vals``."""
+    vals.mul_(scale).add_(lo)
+    if dtype == torch.float16:
+        vals.clamp_(-FP16_MAX, FP16_MAX)
+    return vals
+
+
 def dequantize_reference(
     packed: Tensor,
     meta: Tensor,
@@ -856,9 +868,7 @@ def dequantize_reference(
         codes = torch.index_select(
             table, 0, idx, out=dst.view(-1, table.shape[1]) if direct else None
         )
-        vals = codes.view(-1, g).mul_(scale[:, None]).add_(lo[:, None])  # exact product
-        if dtype == torch.float16:
-            vals.clamp_(-FP16_MAX, FP16_MAX)  # see FP16_MAX; clamp keeps NaN groups NaN
+        vals = decode_codes_(codes.view(-1, g), scale[:, None], lo[:, None], dtype)
         if not direct:
             dst.copy_(_from_group_matrix(vals, blk, layout))
     return out

@@ -820,14 +820,11 @@ class _Codes:
 
     def decode(self, codes: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Values of ``codes`` (m x H x C) of the node rows ``rows`` (m), in ``dtype``."""
-        from gact_graph.kernels.quantize import FP16_MAX
+        from gact_graph.kernels.quantize import decode_codes_
 
-        vals = codes.to(torch.float32)
-        vals.mul_(self.scale.index_select(0, rows).unsqueeze(-1))
-        vals.add_(self.lo.index_select(0, rows).unsqueeze(-1))
-        if dtype == torch.float16:
-            vals.clamp_(-FP16_MAX, FP16_MAX)  # as the dequantizer: NaN groups stay NaN
-        return vals.to(dtype)
+        scale = self.scale.index_select(0, rows).unsqueeze(-1)
+        lo = self.lo.index_select(0, rows).unsqueeze(-1)
+        return decode_codes_(codes.to(torch.float32), scale, lo, dtype).to(dtype)
 
 
 class _DestinationRows:
