@@ -515,6 +515,8 @@ class Controller:
         if lossless is not None and not lossless[0].expired():
             return Stored(name, lossless[1], t, None, nbytes, nbytes, t._version)
         if t.dtype == torch.bool:
+            if self._too_small(t):  # packing costs a launch (forward) and more (backward)
+                return Stored(name, "mask", t, None, nbytes, nbytes, t._version)
             packed: PackedMask = pack_bool_mask(t)
             return Stored(name, "mask", packed, None, nbytes, packed.nbytes)
         if not t.is_floating_point():
@@ -546,6 +548,13 @@ class Controller:
         if limit is None:
             limit = CUDA_MIN_BYTES if t.is_cuda else 0
         return t.numel() * t.element_size() < limit
+
+    def keeps_as_is(self, t: torch.Tensor) -> bool:
+        """Whether a saved tensor of ``t``'s size, dtype and device is kept as it is by the
+        ``min_bytes`` rule (float and bool tensors alike). The pointwise ops ask it about
+        their input: where it holds, everything PyTorch's own op would save is no larger than
+        that input, so it would be kept too, and the op runs as PyTorch's."""
+        return self._too_small(t)
 
     @staticmethod
     def _unpack(stored: Stored) -> torch.Tensor:

@@ -69,7 +69,8 @@ def install_pointwise_ops(ctl: Controller) -> PointwiseMode:
     Returns the mode object (re-entered on every forward; its ``counts`` show the ops it
     intercepted). Removed with the controller (``ctl.remove()`` drops the forward context).
     """
-    mode = PointwiseMode()
+    # a tensor the controller keeps as it is (``min_bytes``) runs PyTorch's own op
+    mode = PointwiseMode(keeps_as_is=ctl.keeps_as_is)
 
     def enter() -> PointwiseMode:
         mode.counts = {}

@@ -284,10 +284,15 @@ class PointwiseMode(TorchFunctionMode):
     ``counts`` (op name -> calls intercepted) shows what the mode did in its last use.
     """
 
-    def __init__(self, handlers: dict[Any, Handler] | None = None) -> None:
+    def __init__(
+        self,
+        handlers: dict[Any, Handler] | None = None,
+        keeps_as_is: Callable[[Tensor], bool] | None = None,
+    ) -> None:
         super().__init__()
         self.handlers = HANDLERS if handlers is None else handlers
         self.counts: dict[str, int] = {}
+        self.keeps_as_is = keeps_as_is
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         try:
@@ -296,6 +301,14 @@ class PointwiseMode(TorchFunctionMode):
             handler = None
         if handler is None:  # most calls: straight through
             return func(*args, **kwargs) if kwargs else func(*args)
+        small = self.keeps_as_is
+        if small is not None:
+            x = args[0] if args else (kwargs or {}).get("input", (kwargs or {}).get("self"))
+            # Everything the stock op saves is at most its input's size, so the controller
+            # keeps it as it is anyway: the stock op is exact and costs fewer launches and no
+            # Python Function. Sizes only: the check costs less than the handler would.
+            if type(x) is Tensor and small(x):
+                return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
         if not _inside_torch_checkpoint():
