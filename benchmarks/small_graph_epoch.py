@@ -13,7 +13,8 @@ the median).
 
 Methods: ``stock`` (no compression), ``default`` (``compress_gnn(model)``: adaptive 2-bit
 average; on CUDA tensors under 1 MiB are kept as they are), ``default-min_bytes0`` (the same
-with that rule off: every tensor above ``min_numel`` quantized), ``fixed-2bit``.
+with that rule off: every tensor above ``min_numel`` quantized), ``default-min_bytes1MiB`` (the
+CUDA rule set explicitly: on a CPU, what the default mode does on a GPU), ``fixed-2bit``.
 
 Examples::
 
@@ -46,6 +47,7 @@ METHODS = {
     "stock": None,
     "default": {},
     "default-min_bytes0": {"min_bytes": 0},
+    "default-min_bytes1MiB": {"min_bytes": 1 << 20},  # CUDA's default rule, on any device
     "fixed-2bit": {"bits": 2, "adaptive": False},
 }
 #: CiteSeer (PyG's Planetoid): nodes, stored (directed) edges

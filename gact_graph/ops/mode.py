@@ -19,6 +19,11 @@ A handler only intercepts when the call needs a gradient (grad mode on, the inpu
 grad) on a plain dense floating tensor with the arguments it understands; anything else —
 ``out=``, tensor bounds, tensor subclasses, ``p`` outside (0, 1), eval mode — returns
 ``NotImplemented`` and the original op runs exactly as without us.
+
+An input the controller would keep as it is (``min_bytes``, `Controller.keeps_as_is`) runs the
+original op too, before any handler: what PyTorch's op saves is never larger than its input, so
+it is kept uncompressed either way, and the Functions would only add a Python call, more
+launches (a mask packed, a dropout mask drawn again in backward) and no saved byte.
 """
 
 from __future__ import annotations
