@@ -484,10 +484,9 @@ class Adapter:
             self._probe = None
 
     def detach(self) -> None:
-        self._progress = None
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
+        """Close the probe armed for the coming step (``ctl.remove()``; the memory-budget
+        planner's pause), and give up a re-estimation in progress."""
+        self._cancel()
 
     def progress(self) -> dict[str, Any]:
         """Where re-estimation stands: ``in_progress`` (a spread re-estimation has begun and
