@@ -586,7 +586,9 @@ class Controller:
         its storage size); ``stored_bytes``: what this controller holds instead. ``param`` and
         ``input`` tensors are kept by reference and cost nothing extra; ``total`` covers every
         other kind (activation, index, mask, other). ``live_stored_bytes`` is what is still held
-        right now (zero once backward has released everything).
+        right now (zero once backward has released everything). With an adaptive planner
+        that reports one (``progress()``), ``re_estimation`` says whether a re-estimation spread
+        over several steps is in progress and over how many.
         """
         tensors = [dict(r) for r in self._records]
         by_kind = {k: {"count": 0, "orig_bytes": 0, "stored_bytes": 0} for k in KINDS}
@@ -603,7 +605,7 @@ class Controller:
             s = w()
             if s is not None and s.kind not in ("param", "input"):
                 live += s.stored_bytes
-        return {
+        out = {
             "step": self.step,
             "tensors": tensors,
             "by_kind": by_kind,
@@ -614,6 +616,10 @@ class Controller:
             },
             "live_stored_bytes": live,
         }
+        progress = getattr(self.adapter, "progress", None)
+        if progress is not None:
+            out["re_estimation"] = progress()
+        return out
 
     def report(self) -> str:
         """A table: every module, the path it ran (graph-aware or generic) and its bytes."""

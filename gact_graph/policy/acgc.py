@@ -221,14 +221,16 @@ class AcgcAdapter(Adapter):
         self._measured: tuple[float, dict[str, int]] | None = None
 
     # ---------------------------------------------------------------- estimates
-    def _update(self, ctl, est: dict[str, float], grad_sq: float | None, failed=()) -> None:
+    def _update(
+        self, ctl, est: dict[str, float], grad_sq: float | None, failed=(), start=None
+    ) -> None:
         # The base class updates the sensitivities and then calls make_plan; V^2 must be
         # updated in between (it needs the new c_l of the plan this step ran with).
         if grad_sq is not None and math.isfinite(grad_sq):
             ran = {n: ctl.plan.get(n, self.default_bits) for n in self.tensors}
             self._measured = (float(grad_sq), ran)
         try:
-            super()._update(ctl, est, grad_sq, failed)
+            super()._update(ctl, est, grad_sq, failed, start)
         finally:
             self._measured = None
 
@@ -277,7 +279,7 @@ class AcgcAdapter(Adapter):
                 f"{self.ladder}: {self.ladder[-1]} bits for every tensor still adds "
                 f"{ratio:.3g} times the gradient's squared norm; every tensor gets "
                 f"{self.ladder[-1]} bits (add 32 to the ladder or raise loss_bound)",
-                depth=3,  # make_plan <- Adapter._update <- AcgcAdapter._update
+                depth=4,  # make_plan <- Adapter._update <- AcgcAdapter._update <- _take
             )
         if keep is not None and all(keep.get(n) in self.ladder for n in names):
             old = [keep[n] for n in names]

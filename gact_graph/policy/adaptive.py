@@ -38,6 +38,7 @@ user's own backward pass (no extra passes).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ import numpy as np
 from gact_graph.config import PLAN_BITS
 from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
 from gact_graph.policy.sensitivity import S, SensitivityProbe, two_seed_sensitivity
+from gact_graph.policy.spread import ALLOWANCE, MAX_SHARES, choose_shares, partition_shares
 
 __all__ = [
     "Adapter",
@@ -325,6 +327,20 @@ class Adapter:
     planned elements change width at an estimate), and halves when it is not.
     ``adapt_interval=k`` re-estimates every ``k`` steps.
 
+    **Spread re-estimation.** Where a complete estimate costs more than ``share_allowance``
+    (2) plain steps of extra time, the next re-estimations are spread over ``shares``
+    consecutive steps, each probing a share of the tensors (`gact_graph.policy.spread`): the
+    fewest shares, at most ``max_shares`` (8, and at most ``adapt_interval``), whose largest
+    share's part of that time fits; one step where it is under a quarter second. The time is
+    the wall clock the adapter already reads between ``iterate`` calls: a probed step's time
+    less the median of recent plain steps (the first estimate, before any plain step, counts
+    the probe's own time against the rest of its step). Which tensors go together is decided
+    by the work the probe counts for each (`SensitivityProbe.work`). The first estimate is
+    complete; so is one the memory-budget planner arms through
+    `attach`. The plan is made when the last share is in, from every tensor's estimate of the
+    step that probed it, and the schedule counts from the step the re-estimation started:
+    the next one starts ``interval`` steps after it, and never before the last share.
+
     **Share and alert.** At each estimate, the compression variance of the new plan,
     :math:`V_q = \sum_l c_l S(b_l)`, is compared with what the rest of the gradient holds: the
     probed step measured :math:`E\lVert g \rVert^2 = \lVert \bar g \rVert^2 + V_s + V_q^{old}`
@@ -392,23 +408,100 @@ class Adapter:
         self._last_call: float | None = None
         self._probe: SensitivityProbe | None = None
         self._ctl = None
+        #: steps the next re-estimation is spread over (`gact_graph.policy.spread`)
+        self.shares = 1
+        self.max_shares = MAX_SHARES
+        self.share_allowance = ALLOWANCE
+        #: name -> work its estimate cost when last probed (`SensitivityProbe.work`)
+        self.work: dict[str, float] = {}
+        #: tensors one backward node reads together (kept in one share)
+        self.together: list[tuple[str, ...]] = []
+        #: extra seconds the last complete re-estimation cost, summed over its shares
+        self.estimate_seconds: float | None = None
+        self._plain: list[float] = []  # wall seconds of recent steps without a probe
+        self._plain_guess: float | None = None  # a plain step, told by the first probed one
+        #: the re-estimation in progress (`_start`), or None
+        self._progress: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- wiring
     def attach(self, ctl) -> None:
-        """Called once by `compress_gnn`: arm the probe for the very first step."""
+        """Called once by `compress_gnn`: arm the probe for the very first step. The memory
+        budget's planner calls it too, to have the coming step probed: that probe is complete
+        (every tensor in one step, a re-estimation in progress given up), since the planner
+        measures that step."""
         self._ctl = ctl
+        if self._progress is not None:
+            self._cancel()
         if self.estimator == "probe" and self.next_estimate <= ctl.step:
             self._arm(ctl)
 
-    def _arm(self, ctl) -> None:
+    def _arm(self, ctl, share=None) -> None:
         if self._probe is None:
-            self._probe = SensitivityProbe(ctl, self.min_numel, seed=self.seed + self.n_estimates)
+            self._probe = SensitivityProbe(
+                ctl, self.min_numel, seed=self.seed + self.n_estimates, share=share
+            )
             self._probe.arm()
 
-    def detach(self) -> None:
+    def _start(self, ctl) -> None:
+        """Arm the probe for the coming step, the first re-estimation's step: the first share
+        of a spread one where ``shares`` > 1 and the work of each tensor is known, else every
+        tensor."""
+        if self.shares > 1 and self.n_estimates > 0 and self.tensors:
+            work = {n: float(self.work.get(n, 0.0)) for n in self.tensors}
+            parts = partition_shares(work, self.shares, self.together)
+            if len(parts) > 1:
+                self._progress = {
+                    "start": ctl.step + 1,
+                    "shares": parts,
+                    "done": 0,
+                    "est": {},
+                    "grad_sq": [],
+                    "failed": {},
+                    "extra": 0.0,
+                }
+                self._arm(ctl, self._share_of(self._progress))
+                return
+        self._arm(ctl)
+
+    @staticmethod
+    def _share_of(progress: dict[str, Any]):
+        """The names the next share of ``progress`` probes, as a predicate: its part of the
+        partition, or for the last share every name no earlier share took (tensors first seen
+        since the partition included)."""
+        parts, k = progress["shares"], progress["done"]
+        if k < len(parts) - 1:
+            mine = frozenset(parts[k])
+            return mine.__contains__
+        earlier = frozenset(n for part in parts[:-1] for n in part)
+        return lambda name: name not in earlier
+
+    def _cancel(self) -> None:
+        """Give up the re-estimation in progress: the estimates of its shares so far are
+        dropped, the plan in force stays, and its probe is closed."""
+        self._progress = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+
+    def detach(self) -> None:
+        """Close the probe armed for the coming step (``ctl.remove()``; the memory-budget
+        planner's pause), and give up a re-estimation in progress."""
+        self._cancel()
+
+    def progress(self) -> dict[str, Any]:
+        """Where re-estimation stands: ``in_progress`` (a spread re-estimation has begun and
+        its plan is not made yet), ``shares_done`` / ``shares`` of it and the step it
+        ``started`` at (``None`` when none is in progress), and ``next_shares``, the steps
+        the next one is spread over."""
+        prog = self._progress
+        return {
+            "in_progress": prog is not None,
+            "shares_done": None if prog is None else prog["done"],
+            "shares": None if prog is None else len(prog["shares"]),
+            "started": None if prog is None else prog["start"],
+            "next_shares": self.shares,
+            "next_estimate": self.next_estimate,
+        }
 
     def bits_for(self, name: str) -> int:
         """Width of a tensor the plan does not cover yet."""
@@ -418,8 +511,9 @@ class Adapter:
     def maybe_adapt(self, ctl, step_fn: Callable[[], Any] | None = None) -> None:
         """Called by ``ctl.iterate(step_fn)`` once per step, after the optimizer step."""
         now = time.perf_counter()
-        if self._last_call is not None:
-            self.train_seconds += now - self._last_call
+        seconds = None if self._last_call is None else now - self._last_call
+        if seconds is not None:
+            self.train_seconds += seconds
         try:
             if self.estimator == "two_seed":
                 if ctl.step >= self.next_estimate:
@@ -437,6 +531,9 @@ class Adapter:
                         self._update(ctl, est, grad_sq=None)
                 return
             probe = self._probe
+            if (probe is None or not probe.hooked) and seconds is not None:
+                self._plain.append(seconds)  # a step without a probe: what a plain one costs
+                del self._plain[:-16]
             if probe is not None and probe.hooked and not probe.compressed:
                 # Nothing was quantized (every tensor under ``min_bytes``, or kept by a
                 # graph-aware path): nothing to estimate, and arming again at once would hook
@@ -444,6 +541,7 @@ class Adapter:
                 # schedule, in case larger inputs come.
                 probe.close()
                 self._probe = None
+                self._progress = None
                 if self.fixed_interval is None:
                     self.interval = min(self.max_interval, self.interval * 2)
                 self.next_estimate = ctl.step + self.interval
@@ -453,6 +551,11 @@ class Adapter:
                 self.probe_seconds += probe.seconds
                 failed = dict(probe.failed)
                 grad_sq = probe.grad_sq
+                extra = self._extra(probe, now, seconds)
+                self.work.update(probe.work)
+                for names in probe.read_together:
+                    if names not in self.together:
+                        self.together.append(names)
                 probe.close()
                 self._probe = None
                 if failed:
@@ -461,14 +564,79 @@ class Adapter:
                         f"gact_graph: could not probe the sensitivity of {sorted(failed)} "
                         f"({next(iter(failed.values()))}); they keep their current bits",
                     )
-                self._update(ctl, est, grad_sq=grad_sq, failed=set(failed))
+                self._take(ctl, est, grad_sq, failed, extra)
             elif probe is not None and probe.hooked:  # its forward had no backward: retry
                 probe.close()
                 self._probe = None
-            if self._probe is None and ctl.step + 1 >= self.next_estimate:
-                self._arm(ctl)
+            if self._probe is None:
+                if self._progress is not None:  # the next share, in the coming step
+                    self._arm(ctl, self._share_of(self._progress))
+                elif ctl.step + 1 >= self.next_estimate:
+                    self._start(ctl)
         finally:
             self._last_call = time.perf_counter()
+
+    def _extra(self, probe, now: float, seconds: float | None) -> float:
+        """Extra seconds the probed step that just ended cost: its time less the median
+        plain step; before any plain step (the first estimate), the probe's own time, and the
+        rest of the step is taken for a plain one."""
+        if seconds is None and probe.started is not None:
+            seconds = now - probe.started
+        if self._plain:
+            return max(0.0, (seconds or 0.0) - statistics.median(self._plain))
+        if seconds is not None and self._plain_guess is None:
+            self._plain_guess = max(0.0, seconds - probe.seconds)
+        return probe.seconds
+
+    def _take(self, ctl, est: dict[str, float], grad_sq, failed: dict[str, str], extra) -> None:
+        """The estimates of one probed step: the plan is made from them, or, in a spread
+        re-estimation, from them and its earlier shares' once the last share is in."""
+        prog = self._progress
+        if prog is None:
+            self._update(ctl, est, grad_sq=grad_sq, failed=set(failed))
+            self._choose_shares(extra)
+            return
+        prog["est"].update(est)
+        prog["grad_sq"].append(grad_sq)
+        prog["failed"].update(failed)
+        prog["extra"] += extra
+        prog["done"] += 1
+        if prog["done"] < len(prog["shares"]):
+            return
+        self._progress = None
+        known = [g for g in prog["grad_sq"] if g is not None and math.isfinite(g)]
+        # the shares' steps each measured E|g|^2 of their own step: their mean stands for the
+        # step the complete estimate would have probed
+        mean_sq = sum(known) / len(known) if known else None
+        estimate = {n: v for n, v in prog["est"].items() if n not in prog["failed"]}
+        self._update(
+            ctl, estimate, grad_sq=mean_sq, failed=set(prog["failed"]), start=prog["start"]
+        )
+        self.history[-1]["shares"] = len(prog["shares"])
+        self._choose_shares(prog["extra"])
+
+    def _choose_shares(self, extra: float) -> None:
+        """``shares`` for the next re-estimation, from the extra time of the one just made
+        (`gact_graph.policy.spread.choose_shares`)."""
+        self.estimate_seconds = extra
+        plain = self._plain_seconds()
+        work = {n: float(self.work.get(n, 0.0)) for n in self.tensors}
+        n = choose_shares(extra, plain, work, self.together, self.share_allowance, self.max_shares)
+        if n < self.shares:
+            # fewer shares only where the estimate fits them with room: a cost near the line
+            # would otherwise alternate between a complete estimate over it and a spread one
+            # under it
+            n = max(n, choose_shares(
+                extra, plain, work, self.together, 0.75 * self.share_allowance, self.shares
+            ))  # fmt: skip
+        if self.fixed_interval is not None:
+            n = min(n, int(self.fixed_interval))  # one re-estimation ends before the next
+        self.shares = max(1, n)
+
+    def _plain_seconds(self) -> float | None:
+        """What a step without a probe costs: the median of the recent ones, else what the
+        first probed step left beside its probe (``None`` before that)."""
+        return statistics.median(self._plain) if self._plain else self._plain_guess
 
     def _observe(self, ctl) -> None:
         """Add the tensors the last forward quantized (or kept at a planned 32 bits), and take
@@ -484,7 +652,12 @@ class Adapter:
             d, meta = tensor_costs(shape, self.group_size)
             self.tensors[name] = (shape, d, meta)
 
-    def _update(self, ctl, est: dict[str, float], grad_sq: float | None, failed=()) -> None:
+    def _update(
+        self, ctl, est: dict[str, float], grad_sq: float | None, failed=(), start=None
+    ) -> None:
+        """Take one complete estimate (``start``: the step its re-estimation began, this step
+        by default): the EMA, the plan, the share and alert, and the schedule."""
+        start = ctl.step if start is None else start
         prev = dict(self.c)
         # A step whose gradients overflowed (fp16 without a scaler, a diverging loss) gives
         # NaN/Inf estimates: they must not reach the plan, and must not stop training.
@@ -494,7 +667,7 @@ class Adapter:
                 "nonfinite",
                 f"gact_graph: non-finite sensitivity estimates for {bad} at step {ctl.step} "
                 f"(non-finite gradients?); they keep their previous estimate",
-                depth=1,
+                depth=2,  # <- _update <- _take <- maybe_adapt
             )
         if grad_sq is not None and not math.isfinite(grad_sq):
             grad_sq = None
@@ -530,7 +703,7 @@ class Adapter:
                     f"{self.alert_share:.0%} of the gradient's measured mean square ({noise:.1%} "
                     f"at step {ctl.step}: {v_now:.3g} of {grad_sq:.3g}) at an average of "
                     f"{self.avg_bits:g} bit{plural}; raise bits",
-                    depth=1,
+                    depth=2,  # <- _update <- _take <- maybe_adapt
                 )
         stable = self._stable(prev, old_plan, plan)
         if self.fixed_interval is None:
@@ -538,7 +711,8 @@ class Adapter:
                 self.interval = min(self.max_interval, self.interval * 2)
             elif self.n_estimates > 1:
                 self.interval = max(1, self.interval // 2)
-        self.next_estimate = ctl.step + self.interval
+        # counted from the re-estimation's first step, never before the step after this one
+        self.next_estimate = max(start + self.interval, ctl.step + 1)
         self.history.append(
             {
                 "step": ctl.step,
@@ -548,6 +722,8 @@ class Adapter:
                 "grad_sq": grad_sq,
                 "interval": self.interval,
                 "stable": stable,
+                "start": start,
+                "shares": 1,
             }
         )
         del self.history[:-64]
@@ -635,6 +811,7 @@ class Adapter:
             f"adaptive plan: average {self.avg_bits:g} bits, {self.n_estimates} estimates, "
             f"next at step {self.next_estimate}, estimation overhead {100 * self.overhead():.1f}%"
             + ("" if self.last_share is None else f", compression share {self.last_share:.3g}"),
+            self._spread_line(),
             f"{'tensor':<40} {'shape':<18} {'bits':>4} {'c_l':>10} {'c_l*S(b)':>10} "
             f"{'var %':>6} {'KB':>9}",
         ]
@@ -649,6 +826,17 @@ class Adapter:
         used = sum(_cost(r["bits"], *self.tensors[r["name"]][1:]) for r in rows)
         lines.append(f"budget {self.budget() / 8 / 1024:.1f} KB, plan {used / 8 / 1024:.1f} KB")
         return "\n".join(lines)
+
+    def _spread_line(self) -> str:
+        prog = self._progress
+        if prog is not None:
+            return (
+                f"re-estimation in progress: {prog['done']} of {len(prog['shares'])} shares "
+                f"probed (started at step {prog['start']}); the plan changes after the last"
+            )
+        if self.shares > 1:
+            return f"re-estimations spread over {self.shares} steps (one share of tensors each)"
+        return "re-estimations in one step"
 
     def plot(self, plan: dict[str, int] | None, path: str) -> str:
         """Save a bar chart of bits and sensitivity per tensor of ``plan`` to ``path``
@@ -694,6 +882,11 @@ class Adapter:
             "warned": sorted(self.warned),
             "probe_seconds": self.probe_seconds,
             "train_seconds": self.train_seconds,
+            "shares": self.shares,
+            "work": dict(self.work),
+            "together": [list(t) for t in self.together],
+            "estimate_seconds": self.estimate_seconds,
+            "progress": _copy_progress(self._progress),
         }
 
     @classmethod
@@ -728,10 +921,11 @@ class Adapter:
             v = state[key]
             if not _is_count(v) or v < least:
                 raise ValueError(f"{where} {key} must be an int >= {least}, got {v!r}")
-        for key in ("last_share", "probe_seconds", "train_seconds"):
+        for key in ("last_share", "probe_seconds", "train_seconds", "estimate_seconds"):
             v = state.get(key)
             if v is not None and not _is_number(v):
                 raise ValueError(f"{where} {key} must be a number, got {v!r}")
+        _check_spread_state(state, where)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tensors = {n: (tuple(s), int(d), int(m)) for n, (s, d, m) in state["tensors"].items()}
@@ -743,11 +937,93 @@ class Adapter:
         self.warned = set(state.get("warned", ()))
         self.probe_seconds = float(state.get("probe_seconds", 0.0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
-        # a probe armed for a step the resumed run has already passed must not linger
+        # states saved before estimates were spread have none of these: one step each
+        self.shares = int(state.get("shares", 1))
+        self.work = {n: float(v) for n, v in state.get("work", {}).items()}
+        self.together = [tuple(t) for t in state.get("together", [])]
+        self.estimate_seconds = state.get("estimate_seconds")
+        self._progress = _copy_progress(state.get("progress"))
         ctl = self._ctl
-        if self._probe is not None and ctl is not None and self.next_estimate > ctl.step:
+        if self._progress is not None:
+            # the re-estimation goes on at its next share, in the coming step
+            if self._probe is not None:
+                self._probe.close()
+                self._probe = None
+            if ctl is not None and self.estimator == "probe":
+                self._arm(ctl, self._share_of(self._progress))
+        # a probe armed for a step the resumed run has already passed must not linger
+        elif self._probe is not None and ctl is not None and self.next_estimate > ctl.step:
             self._probe.close()
             self._probe = None
+
+
+def _copy_progress(prog: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of a re-estimation in progress that shares nothing with ``prog``."""
+    if prog is None:
+        return None
+    return {
+        "start": int(prog["start"]),
+        "shares": [list(p) for p in prog["shares"]],
+        "done": int(prog["done"]),
+        "est": {n: float(v) for n, v in prog["est"].items()},
+        "grad_sq": [None if g is None else float(g) for g in prog["grad_sq"]],
+        "failed": {n: str(m) for n, m in prog["failed"].items()},
+        "extra": float(prog["extra"]),
+    }
+
+
+def _check_spread_state(state: dict[str, Any], where: str) -> None:
+    """Raise naming what is wrong with the spread re-estimation's part of an adapter state
+    (absent in states saved before estimates were spread: nothing to check then)."""
+    shares = state.get("shares", 1)
+    if not _is_count(shares) or shares < 1:
+        raise ValueError(f"{where} shares must be an int >= 1, got {shares!r}")
+    work = state.get("work", {})
+    if not isinstance(work, dict) or not all(
+        isinstance(n, str) and _is_number(v) and v >= 0 for n, v in work.items()
+    ):
+        raise ValueError(f"{where} work must map tensor names to numbers >= 0, got {work!r}")
+    together = state.get("together", [])
+    if not isinstance(together, (list, tuple)) or not all(
+        isinstance(t, (list, tuple)) and all(isinstance(n, str) for n in t) for t in together
+    ):
+        raise ValueError(f"{where} together must be a list of lists of names, got {together!r}")
+    prog = state.get("progress")
+    if prog is None:
+        return
+    what = f"{where} progress (a re-estimation in progress)"
+    if not isinstance(prog, dict):
+        raise TypeError(f"{what} must be a dict or None, got {prog!r}")
+    missing = sorted({"start", "shares", "done", "est", "grad_sq", "failed", "extra"} - set(prog))
+    if missing:
+        raise ValueError(f"{what} lacks {missing}")
+    parts = prog["shares"]
+    if (
+        not isinstance(parts, (list, tuple))
+        or len(parts) < 2
+        or not all(
+            isinstance(p, (list, tuple)) and all(isinstance(n, str) for n in p) for p in parts
+        )
+    ):
+        raise ValueError(f"{what} shares must be two or more lists of names, got {parts!r}")
+    if not _is_count(prog["start"]):
+        raise ValueError(f"{what} start must be an int >= 0, got {prog['start']!r}")
+    done = prog["done"]
+    if not _is_count(done) or done >= len(parts):
+        raise ValueError(f"{what} done must be an int in [0, {len(parts)}), got {done!r}")
+    est, failed, grad_sq = prog["est"], prog["failed"], prog["grad_sq"]
+    if not isinstance(est, dict) or not all(_is_number(v) for v in est.values()):
+        raise ValueError(f"{what} est must map names to numbers, got {est!r}")
+    if not isinstance(failed, dict):
+        raise ValueError(f"{what} failed must be a dict, got {failed!r}")
+    if (
+        not isinstance(grad_sq, (list, tuple))
+        or len(grad_sq) != done
+        or not all(g is None or _is_number(g) for g in grad_sq)
+    ):
+        raise ValueError(f"{what} grad_sq must hold one number (or None) per share done")
+    if not _is_number(prog["extra"]):
+        raise ValueError(f"{what} extra must be a number, got {prog['extra']!r}")
 
 
 def _is_count(v: Any) -> bool:

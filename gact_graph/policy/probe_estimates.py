@@ -97,6 +97,7 @@ class ProbeEstimates:
         kappa = 1.0 if factors is None else factors[0]
         row_var = row_rounding_variance(stored.payload, counts, kappa)
         g = grad_outputs[0]
+        self._count_work(stored.name, [g])
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         if exact:
             g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float32).square_()
@@ -108,7 +109,11 @@ class ProbeEstimates:
             delta = self._sketch_grad_mat2(stored, row_var, g, alpha)
             fn, nr = node.next_functions[k]
             acc = self._acc.setdefault(stored.name, {})
-            self._grad_into(acc, [GradientEdge(fn, nr)], [delta])
+            self._working = stored.name
+            try:
+                self._grad_into(acc, [GradientEdge(fn, nr)], [delta])
+            finally:
+                self._working = None
         self._bits[stored.name] = stored.payload.bits
         self._numel[stored.name] = stored.payload.numel()
         self.ran = True
@@ -204,6 +209,7 @@ class ProbeEstimates:
         reusable = isinstance(stored.payload, QTensor) and not shares_storage(x_hat, theirs)
         noisy, bits = self._noisy(stored, x_hat, reusable)
         del x_hat
+        self._count_work(stored.name, grad_outputs)  # the replay runs the node on them again
         acc = self._acc.setdefault(stored.name, {})
         if side_effects:
             # e.g. torch.utils.checkpoint(use_reentrant=True): the node's parameter gradients

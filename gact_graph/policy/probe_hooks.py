@@ -108,11 +108,13 @@ class ProbeHooks:
             self._tls.busy = False
 
     def _pack(self, t: Tensor, inner):
+        if self.started is None:
+            self.started = time.perf_counter()
         stored = inner(t)
         p = getattr(stored, "payload", None)
         if isinstance(p, QTensor):
             self.compressed = True
-        if isinstance(p, QTensor) and stored not in self._kappa:
+        if isinstance(p, QTensor) and stored not in self._kappa and self._in_share(stored.name):
             t0 = time.perf_counter()
             # the probe's own work (`lean_backward` marks it so): what it keeps here lives
             # until the probe's estimate, which a step without the probe never holds
@@ -229,6 +231,9 @@ class ProbeHooks:
             if not reads:
                 return None
             self.ran = True
+            together = tuple(dict.fromkeys(r[0].name for r in reads if self._compressible(r[0])))
+            if len(together) > 1:
+                self.read_together.append(together)
             done: set[int] = set()
             for i in range(len(reads)):
                 stored, x_hat, shape = reads[i]
@@ -277,7 +282,22 @@ class ProbeHooks:
 
         return hook
 
+    def _in_share(self, name: str) -> bool:
+        return self.share is None or self.share(name)
+
+    def _count_work(self, name: str | None, grads) -> None:
+        """Add the elements of ``grads`` (fed to a backward node for ``name``'s estimate) to
+        ``work``: a count of what the estimate cost, the same on every device."""
+        if name is not None:
+            n = sum(g.numel() for g in grads if isinstance(g, Tensor))
+            work = self.__dict__.setdefault("work", {})  # (tests build bare probes)
+            work[name] = work.get(name, 0) + n
+
     def _is_candidate(self, stored) -> bool:
+        """Whether the probe estimates ``stored``: compressible, and of this probe's share."""
+        return self._in_share(stored.name) and self._compressible(stored)
+
+    def _compressible(self, stored) -> bool:
         # Compressed tensors, and those the plan keeps at 32 bits; never tensors the graph-aware
         # paths keep lossless on purpose (attention logits, adjacency weights).
         if stored.kind != "activation":

@@ -115,12 +115,14 @@ class ProbeWalk:
         edges, grads = seeds.edges, seeds.grads
         seeds.edges, seeds.grads = [], []
         with self._inside():
+            self._working = name  # what the walk's nodes count their work to
             try:
                 self._walk(self._acc.setdefault(name, {}), edges, grads)
             except Exception as exc:  # never break the user's backward
                 self.failed.setdefault(name, f"{type(exc).__name__}: {exc}")
             finally:
                 edges = grads = None
+                self._working = None
         self.seconds += time.perf_counter() - t0
         self._open[name] -= 1
         self._finish_read(name, read=False)
@@ -213,6 +215,7 @@ class ProbeWalk:
                 continue
             targets.setdefault((id(nxt), nnr), GradientEdge(nxt, nnr))
         ins = list(targets.values())
+        self._count_work(getattr(self, "_working", None), grads)
         held = list(grads)
         grads.clear()
         out = list(torch.autograd.grad(edges, ins, held, retain_graph=True, allow_unused=True))
@@ -238,6 +241,7 @@ class ProbeWalk:
         """Add to ``acc`` what ``seeds`` at ``edges`` give each parameter's gradient."""
         if not self._params:
             return
+        self._count_work(getattr(self, "_working", None), seeds)
         res = torch.autograd.grad(edges, self._params, seeds, retain_graph=True, allow_unused=True)
         for p, r in zip(self._params, res):
             if r is not None:

@@ -152,10 +152,32 @@ class SensitivityProbe(ProbeHooks, ProbeEstimates, ProbeWalk):
         min_numel: tensors smaller than this are not probed (the controller never quantizes
             them).
         seed: seed of the probing noise (each tensor derives its own).
+        share: which tensors to probe, by name (``None``: every one). The adaptive planner
+            spreads one re-estimation over several steps with it (`gact_graph.policy.spread`);
+            a tensor's estimate does not depend on which others are probed beside it.
+
+    Besides the estimates it counts, per tensor, the work its estimate cost (``work``: elements
+    of the gradients its replays and walks fed to a backward node), and which tensors one
+    node read (``read_together``): what the planner partitions the tensors by.
     """
 
-    def __init__(self, ctl, min_numel: int = 0, seed: int = 0, closed_form: bool = True) -> None:
+    def __init__(
+        self,
+        ctl,
+        min_numel: int = 0,
+        seed: int = 0,
+        closed_form: bool = True,
+        share: Callable[[str], bool] | None = None,
+    ) -> None:
         self.ctl = ctl
+        self.share = share
+        #: name -> elements of the gradients fed to backward nodes for its estimate
+        self.work: dict[str, int] = {}
+        #: names of the candidate tensors one node read, for nodes that read several
+        self.read_together: list[tuple[str, ...]] = []
+        self._working: str | None = None  # the tensor whose walk runs now
+        #: when the probed step's forward first saved a tensor (``time.perf_counter``)
+        self.started: float | None = None
         self.closed_form = closed_form
         self.min_numel = min_numel
         self.seed = seed

@@ -8,7 +8,9 @@ calls). Counts do not depend on how busy the machine is, so two trees compare on
 
 The step of `tests/policy/replan_time.py` (ogbn-arxiv presets, synthetic arxiv-like graph, one
 CPU thread, default mode); it prints one JSON line per model with a plain step (6) and a
-re-planning one (7). The package is the one on ``PYTHONPATH`` if any, else this checkout's."""
+re-planning one (7; where the adapter spreads a re-estimation over several steps, the first of
+them, which probes its first share of the tensors only). The package is the one on
+``PYTHONPATH`` if any, else this checkout's."""
 
 import argparse
 import collections

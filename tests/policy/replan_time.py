@@ -1,5 +1,5 @@
-"""Wall time of each training step of the default (adaptive) mode, and each re-planning step's
-time over the median of the others: what a probed step costs.
+"""Wall time of each training step of the default (adaptive) mode, and each probed step's
+time over the median of the others: what a re-planning step costs.
 
     python tests/policy/replan_time.py [--models gat,gcn,gcnii] [--scale 0.02] [--steps 17]
     python tests/policy/replan_time.py --device cuda --scale 1 --models gat   # a GPU
@@ -7,8 +7,11 @@ time over the median of the others: what a probed step costs.
 
 One CPU thread, the ogbn-arxiv presets of `gact_graph.models.preset` on the synthetic arxiv-like
 graph at ``--scale``; a step is forward, loss, backward, Adam step and ``ctl.iterate()``. The
-default mode probes steps 0, 1, 3, 7, 15, ...; step 0 also pays first-call costs, so the figure
-to read is the worst of the later probed steps. Prints one JSON line per model. The package
+default mode re-estimates at steps 0, 1, 3, 7, 15, ... (where it spreads a re-estimation over
+several steps, each of them probes a share of the tensors and later ones move on); a step is
+probed when the adapter has a probe armed for it. Step 0 also pays first-call costs, so the
+figures to read are the worst and the mean of the later probed steps over the median of the
+steps not probed. Prints one JSON line per model. The package
 is the one on ``PYTHONPATH`` if any (to time two trees in one session), else this checkout's.
 ``--clock process`` times each step by the process's CPU time instead of the wall clock (CPU
 only): on a machine shared with other jobs, waiting for a core then does not count, so ratios of
@@ -33,8 +36,6 @@ import torch.nn.functional as F
 from gact_graph import compress_gnn
 from gact_graph.datasets import load_dataset
 from gact_graph.models import build_model, preset
-
-PROBED = (0, 1, 3, 7, 15, 31)
 
 
 def sync(device: torch.device) -> None:
@@ -61,8 +62,13 @@ def step_times(
         loss.backward()
         return loss
 
-    times = []
+    times, probed, shares = [], [], []
     for _ in range(steps):
+        adapter = ctl.adapter
+        probed.append(getattr(adapter, "_probe", None) is not None)
+        # the steps its re-estimation is spread over (absent before estimates were spread)
+        progress = adapter.progress() if hasattr(adapter, "progress") else {"in_progress": False}
+        shares.append(progress["shares"] if progress["in_progress"] else int(probed[-1]))
         sync(device)
         t0 = clock()
         step_fn()
@@ -71,7 +77,7 @@ def step_times(
         sync(device)
         times.append(clock() - t0)
     ctl.remove()
-    return times
+    return times, probed, shares
 
 
 def main() -> None:
@@ -90,15 +96,18 @@ def main() -> None:
     device = torch.device(args.device)
     data = load_dataset("synthetic-ogbn-arxiv", scale=args.scale, seed=0).to(device)
     for name in args.models.split(","):
-        times = step_times(name, data, args.steps, device, clock)
-        median = statistics.median(t for i, t in enumerate(times) if i not in PROBED)
-        ratios = {i: times[i] / median for i in PROBED if i < len(times)}
+        times, probed, shares = step_times(name, data, args.steps, device, clock)
+        steps = [i for i, p in enumerate(probed) if p]
+        median = statistics.median(t for i, t in enumerate(times) if not probed[i])
+        ratios = {i: times[i] / median for i in steps}
         later = [r for i, r in ratios.items() if i > 0]
         print(json.dumps({
             "model": name, "clock": args.clock, "median_s": round(median, 4),
             "probed_over_median": {str(i): round(r, 2) for i, r in ratios.items()},
             "worst_later_probed": round(max(later), 2) if later else None,
             "mean_later_probed": round(statistics.mean(later), 2) if later else None,
+            "probed_steps": len(later),
+            "shares": {str(i): shares[i] for i in steps},
         }), flush=True)  # fmt: skip
 
 
