@@ -47,6 +47,9 @@ EXTRA_OPTIONS = {
     "estimator": "adaptive: 'probe' or 'two_seed' (GACT's Algorithm 1)",
     "alert_share": "adaptive: compression share of the gradient variance that warns",
     "hysteresis": "adaptive: how much better a new plan must be to replace the old",
+    "max_shares": "adaptive: most steps one re-estimation is spread over (default 8; 1 keeps "
+    "every re-estimation in one step, a schedule that does not follow the clock; also 1 under "
+    "torch.use_deterministic_algorithms(True))",
     "budget_margin": "memory_budget: share of the budget kept free for what the prediction "
     "misses (default 0.1)",
     "budget_rectify": "memory_budget: re-plan when a planned step's measured peak exceeds the "

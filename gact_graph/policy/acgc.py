@@ -61,6 +61,7 @@ from gact_graph.policy.adaptive import (
     plan_cost_bits,
 )
 from gact_graph.policy.sensitivity import S
+from gact_graph.policy.spread import MAX_SHARES
 
 __all__ = ["AcgcAdapter", "BoundInfeasible", "allocate_bits_bounded", "attach_acgc"]
 
@@ -200,6 +201,7 @@ class AcgcAdapter(Adapter):
         estimator: str = "probe",
         alert_share: float = 1.0,
         hysteresis: float = 0.1,
+        max_shares: int = MAX_SHARES,
     ) -> None:
         if estimator != "probe":
             raise ValueError(
@@ -210,7 +212,9 @@ class AcgcAdapter(Adapter):
             raise TypeError(f"loss_bound must be a number, got {loss_bound!r}")
         if not (math.isfinite(loss_bound) and loss_bound > 0):
             raise ValueError(f"loss_bound must be finite and > 0, got {loss_bound}")
-        super().__init__(config, ladder, ema, max_interval, estimator, alert_share, hysteresis)
+        super().__init__(
+            config, ladder, ema, max_interval, estimator, alert_share, hysteresis, max_shares
+        )
         self.loss_bound = float(loss_bound)
         #: EMA of the uncompressed gradient's squared norm, V^2 (None before the first estimate)
         self.grad_var: float | None = None

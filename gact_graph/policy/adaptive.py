@@ -46,6 +46,7 @@ from functools import reduce
 from typing import Any
 
 import numpy as np
+import torch
 
 from gact_graph.config import PLAN_BITS
 from gact_graph.kernels.layout import META_BYTES_PER_GROUP, group_layout
@@ -331,7 +332,9 @@ class Adapter:
     (2) plain steps of extra time, the next re-estimations are spread over ``shares``
     consecutive steps, each probing a share of the tensors (`gact_graph.policy.spread`): the
     fewest shares, at most ``max_shares`` (8, and at most ``adapt_interval``), whose largest
-    share's part of that time fits; one step where it is under a quarter second. The time is
+    share's part of that time fits; one step where it is under a quarter second, and always
+    one under ``torch.use_deterministic_algorithms(True)`` or ``max_shares=1`` (the count
+    follows a clock, so a spread schedule is not the same in two runs). The time is
     the wall clock the adapter already reads between ``iterate`` calls: a probed step's time
     less the median of recent plain steps (the first estimate, before any plain step, counts
     the probe's own time against the rest of its step). Which tensors go together is decided
@@ -368,6 +371,7 @@ class Adapter:
         estimator: str = "probe",
         alert_share: float = 0.5,
         hysteresis: float = 0.1,
+        max_shares: int = MAX_SHARES,
     ) -> None:
         if config.bits is None:
             raise ValueError("adaptive compression needs an average bits budget, not None")
@@ -375,6 +379,8 @@ class Adapter:
             raise ValueError(f"estimator must be 'probe' or 'two_seed', got {estimator!r}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        if isinstance(max_shares, bool) or not isinstance(max_shares, int) or max_shares < 1:
+            raise ValueError(f"max_shares must be a positive int, got {max_shares!r}")
         self.avg_bits = float(config.bits)
         self.group_size = int(config.group_size)
         self.min_numel = int(config.min_numel)
@@ -410,7 +416,7 @@ class Adapter:
         self._ctl = None
         #: steps the next re-estimation is spread over (`gact_graph.policy.spread`)
         self.shares = 1
-        self.max_shares = MAX_SHARES
+        self.max_shares = max_shares
         self.share_allowance = ALLOWANCE
         #: name -> work its estimate cost when last probed (`SensitivityProbe.work`)
         self.work: dict[str, float] = {}
@@ -631,6 +637,8 @@ class Adapter:
             ))  # fmt: skip
         if self.fixed_interval is not None:
             n = min(n, int(self.fixed_interval))  # one re-estimation ends before the next
+        if torch.are_deterministic_algorithms_enabled():
+            n = 1  # the count follows a clock; a run that asks to be reproducible is not spread
         self.shares = max(1, n)
 
     def _plain_seconds(self) -> float | None:
@@ -1036,7 +1044,9 @@ def _is_number(v: Any) -> bool:
 
 #: keys of ``CompressionConfig.extra`` (``compress_gnn(..., **extra)``) the adapter reads (each
 #: listed, with what it does, in `gact_graph.config.EXTRA_OPTIONS`)
-ADAPTER_OPTIONS = ("ladder", "ema", "max_interval", "estimator", "alert_share", "hysteresis")
+ADAPTER_OPTIONS = (
+    "ladder", "ema", "max_interval", "estimator", "alert_share", "hysteresis", "max_shares",
+)  # fmt: skip
 
 
 def attach_adapter(ctl) -> Adapter:

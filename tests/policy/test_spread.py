@@ -322,3 +322,32 @@ def test_the_budget_planners_probe_is_complete_and_ends_a_spread_one(monkeypatch
     adapter.detach()
     assert not adapter.progress()["in_progress"] and adapter._probe is None
     run.ctl.remove()
+
+
+@pytest.mark.parametrize("how", ["max_shares", "deterministic"])
+def test_a_run_can_keep_every_re_estimation_in_one_step(monkeypatch, how):
+    # the count of shares follows a clock: a run that asks for a schedule it can repeat
+    # (max_shares=1, or PyTorch's deterministic algorithms) is never spread
+    data = _graph()
+    kw = {"max_shares": 1} if how == "max_shares" else {}
+    run = Run(_gcn(), 1, data, **kw)
+    real = Adapter._choose_shares
+    run.adapter._choose_shares = lambda extra: real(run.adapter, extra)
+    run.adapter._plain_seconds = lambda: 1.0
+    run.adapter._extra = lambda probe, now, seconds: 100.0
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        if how == "deterministic":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        for _ in range(4):
+            run.step(monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert run.adapter.shares == 1
+    assert all(h.get("shares", 1) == 1 for h in run.adapter.history)
+    run.ctl.remove()
+
+
+def test_max_shares_is_checked():
+    with pytest.raises(ValueError, match="max_shares"):
+        compress_gnn(_gcn(), bits=2, max_shares=0)
