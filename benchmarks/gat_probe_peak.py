@@ -20,6 +20,14 @@ Usage::
     python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
     python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32 --trace
 
+``--edge-kernel triton`` runs the fused Triton kernels wherever they apply (on CPU only under
+``TRITON_INTERPRET=1``: slow, use a few hundred nodes); ``--kernel-reads dequantized`` has the
+fused Functions handed their compressed features dequantized whole inside the probe, as they
+were before they read the packed codes (`gact_graph.sparse.gat._kernel_features`)::
+
+    TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-kernel triton \
+        --nodes 600 --hidden 16 --models gatv2 --skip-dataless
+
 ``--skip-dataless`` (CPU): the planner's meter counts a tensor subclass without data of its
 own (the probe's `RowChunked`) at its full size; this leaves it out.
 ``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
@@ -208,7 +216,31 @@ def _instrument(meter: _Meter, paths: dict[str, int]):
     return lambda: [setattr(obj, name, f) for obj, name, f in undo]
 
 
+@contextlib.contextmanager
+def _edge_stage(args):
+    """``args.edge_kernel`` as `sgat.EDGE_KERNEL`, and (``args.kernel_reads == "dequantized"``)
+    the fused Functions made to take their compressed features dequantized whole."""
+    kernel = getattr(args, "edge_kernel", sgat.EDGE_KERNEL)
+    codes = getattr(args, "kernel_reads", "codes") == "codes"
+    fused = (sgat.GatFusedFunction, sgat.GatV2FusedFunction)
+    before = sgat.EDGE_KERNEL, [cls.reads_row_chunks for cls in fused]
+    sgat.EDGE_KERNEL = kernel
+    for cls in fused:
+        cls.reads_row_chunks = codes
+    try:
+        yield
+    finally:
+        sgat.EDGE_KERNEL = before[0]
+        for cls, reads in zip(fused, before[1]):
+            cls.reads_row_chunks = reads
+
+
 def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
+    with _edge_stage(args):
+        return _run(model_name, adaptive, args, device)
+
+
+def _run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     n, f = args.nodes, args.features
     x = torch.randn(n, f, device=device)
@@ -261,6 +293,11 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=3, help="the preset's heads (for the unit)")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
+    ap.add_argument("--edge-kernel", default="auto", choices=["auto", "triton", "chunked"],
+                    help="sparse.gat.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)")
+    ap.add_argument("--kernel-reads", default="codes", choices=["codes", "dequantized"],
+                    help="what the fused kernels' backward reads of a compressed input inside "
+                    "the probe: its packed codes, or a dequantized copy")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-dataless", action="store_true",
                     help="CPU: do not count tensor subclasses without data (RowChunked), which "
