@@ -28,6 +28,13 @@ were before they read the packed codes (`gact_graph.sparse.gat._kernel_features`
     TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-kernel triton \
         --nodes 600 --hidden 16 --models gatv2 --skip-dataless
 
+``--edge-stage`` measures one fused edge stage's backward alone (`edge_stage_peak`), its
+compressed features handed to it as the probe hands them (read by rows: the kernels read the
+packed codes) or dequantized whole, with the planner's meter (CPU; RowChunked not counted)::
+
+    TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-stage \
+        --nodes 200 --hidden 16 --heads 3
+
 ``--skip-dataless`` (CPU): the planner's meter counts a tensor subclass without data of its
 own (the probe's `RowChunked`) at its full size; this leaves it out.
 ``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
@@ -282,6 +289,58 @@ def _run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
             "unit_bytes": unit, "steps": steps}  # fmt: skip
 
 
+def edge_stage_peak(model_name: str, reads: str, args) -> dict:
+    """Peak bytes (CPU, the planner's meter without dataless tensors) of one fused edge
+    stage's backward (`GatFusedFunction` / `GatV2FusedFunction`, statistics recomputed as a
+    compressing controller has them), its (N * H) x C features saved at 2 bits and handed
+    back as a `RowChunked` (``reads="codes"``: what the probe hands a Function that reads row
+    chunks; the kernels read the packed codes) or dequantized whole (``"dequantized"``), in
+    units of one N x H x C fp32 tensor, with the number of new tensors of at least one unit."""
+    from gact_graph.core.chunked import RowChunked
+    from gact_graph.core.quantize import quantize
+    from gact_graph.kernels import gat_edge
+
+    torch.manual_seed(0)
+    n, heads, channels = args.nodes, args.heads, args.hidden
+    ei = torch.randint(0, n, (2, args.degree * n))
+    ei = torch.cat([ei, torch.arange(n).repeat(2, 1)], 1)
+    order = torch.argsort(ei[1], stable=True)
+    col = ei[0, order].to(torch.int32)
+    rowptr = torch.zeros(n + 1, dtype=torch.long)
+    rowptr[1:] = torch.bincount(ei[1], minlength=n).cumsum(0)
+    transpose = gat_edge.csr_transpose(rowptr, col, n)
+    shape = (n * heads, channels)
+    x = torch.randn(n, heads, channels, requires_grad=True)
+    x_r = torch.randn(n, heads, channels, requires_grad=True)
+    a_src, a_dst = (torch.randn(n, heads, requires_grad=True) for _ in range(2))
+    att = torch.randn(1, heads, channels, requires_grad=True)
+
+    def pack(t):
+        return quantize(t.detach(), 2, seed=1) if tuple(t.shape) == shape else t
+
+    def unpack(p):
+        if isinstance(p, torch.Tensor):
+            return p
+        return RowChunked(p) if reads == "codes" else p.dequantize()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        if model_name == "gat":
+            leaves = (x, a_src, a_dst)
+            out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose)
+        else:
+            leaves = (x, x_r, att)
+            out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose,
+                                             recompute_stats=True)  # fmt: skip
+    grad = torch.randn(out.shape)
+    unit = n * heads * channels * 4
+    with _cpu_meter(skip_dataless=True)() as meter:
+        grads = torch.autograd.grad(out, leaves, grad)
+        big = sum(1 for g in grads if g.numel() * 4 >= unit)
+        peak = meter.peak - meter.start
+    return {"model": model_name, "reads": reads, "peak_units": round(peak / unit, 2),
+            "gradients_of_one_unit": big}  # fmt: skip
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -298,6 +357,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kernel-reads", default="codes", choices=["codes", "dequantized"],
                     help="what the fused kernels' backward reads of a compressed input inside "
                     "the probe: its packed codes, or a dequantized copy")
+    ap.add_argument("--edge-stage", action="store_true",
+                    help="CPU: one fused edge stage's backward alone (edge_stage_peak)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-dataless", action="store_true",
                     help="CPU: do not count tensor subclasses without data (RowChunked), which "
@@ -309,7 +370,16 @@ def main(argv=None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     results = []
-    for name in args.models.split(","):
+    if args.edge_stage:
+        for name in args.models.split(","):
+            for reads in ("dequantized", "codes"):
+                res = edge_stage_peak(name, reads, args)
+                results.append(res)
+                print(f"{name:6s} backward, features read as {reads:11s}: peak "
+                      f"{res['peak_units']:5.2f} (N x H x C units; its gradients: "
+                      f"{res['gradients_of_one_unit']})", flush=True)  # fmt: skip
+        args.models = ""
+    for name in filter(None, args.models.split(",")):
         for adaptive in (False, True):
             res = run(name, adaptive, args, device)
             results.append(res)

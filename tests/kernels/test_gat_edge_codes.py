@@ -204,4 +204,4 @@ def test_coded_features_refuse_what_they_cannot_read():
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
-    run_interpreted(__file__, "not subprocess and not cuda")
+    run_interpreted(__file__)

@@ -204,4 +204,4 @@ def test_backward_makes_no_dequantized_copy(model):
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
-    run_interpreted(__file__, "not subprocess and not cuda")
+    run_interpreted(__file__)
