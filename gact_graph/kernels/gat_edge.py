@@ -46,6 +46,13 @@ a small P x H x C buffer instead of with atomics. The transpose pass makes ``gra
 No E x H x C and no E x H tensor exists in either direction. Everything accumulates in fp32;
 offsets into N x H x C tensors are int64.
 
+**Features read from their codes.** The backward kernels and GATv2's statistics pass take
+their node features dense or as `CodedFeatures`: the quantizer's packed codes and per-group
+metadata of the (N * H) x C matrix (any `GroupLayout`), decoded per element in the kernel
+(`_decode`) to the very value the dequantized copy holds, so no N x H x C copy is made
+(the sensitivity probe's backwards hand their compressed features so,
+`gact_graph.sparse.gat._kernel_features`).
+
 **Blocking** (edges per block, rows per program, warps) is chosen lazily per kernel, head
 count, width, dtype and a coarse degree bucket (the mean degree ``E / N`` rounded to a power of
 two, from the shapes alone), timed once on CUDA and cached; never keyed on exact node or edge

@@ -665,6 +665,7 @@ class GatFusedFunction(torch.autograd.Function):
 
         x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
         x_src = _kernel_features(x_src, ctx.x_shape)
+        a_src, a_dst = _dense(a_src), _dense(a_dst)  # (kept lossless: dense already)
         needs = tuple(ctx.needs_input_grad[:3])
         grad_x, grad_src, grad_dst = gat_edge.gat_edge_backward(
             grad_out, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
@@ -781,6 +782,11 @@ def _as_rows(x: Tensor) -> Tensor:
     if x.dim() == 3 and x.is_contiguous() and x.numel() > 0:
         return x.view(-1, x.shape[-1])
     return x
+
+
+def _dense(x: Tensor | None) -> Tensor | None:
+    """``x``, dequantized whole if it is a compressed matrix read by rows (`_row_matrix`)."""
+    return x.dense() if x is not None and _row_matrix(x) is not None else x
 
 
 def _kernel_features(x: Tensor, shape: torch.Size):

@@ -202,6 +202,29 @@ def test_backward_makes_no_dequantized_copy(model):
     assert len(made["dense"]) == 2 * len(gradients), made  # + one dequantized copy per input
 
 
+def test_kernel_features_of_each_kind():
+    """A dense saved view is reshaped (no copy); a `RowChunked` of a `QTensor` becomes its
+    codes (any layout); a matrix read by rows of another kind is dequantized whole."""
+    x = torch.randn(6, 2, 5)
+    rows = x.view(-1, 5)
+    dense = sgat._kernel_features(rows, x.shape)
+    assert dense.shape == x.shape and dense.data_ptr() == x.data_ptr()
+    for group_size in (4, 16, 256):
+        q = quantize(rows, 4, group_size=group_size, seed=0)
+        codes = sgat._kernel_features(RowChunked(q), x.shape)
+        assert isinstance(codes, ge.CodedFeatures) and codes.shape == x.shape
+        assert codes.layout == q.layout and codes.bits == 4
+
+    class Other:  # a compressed matrix read by rows that is no QTensor
+        def __init__(self):
+            self.q = type("Q", (), {"rows": lambda self, r0, r1: None})()
+
+        def dense(self):
+            return rows.clone()
+
+    torch.testing.assert_close(sgat._kernel_features(Other(), x.shape), x)
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
 def test_interpreter_in_subprocess():
     run_interpreted(__file__)
