@@ -202,6 +202,57 @@ def test_backward_makes_no_dequantized_copy(model):
     assert len(made["dense"]) == 2 * len(gradients), made  # + one dequantized copy per input
 
 
+@kernel_test
+def test_the_probe_hands_codes_and_estimates_as_with_dequantized_copies(monkeypatch):
+    """A re-planning step of the default mode on a 2-layer GATv2 routed to the kernels: its
+    probe's backwards read the features' codes (`CodedFeatures`), nothing fails to probe, and
+    the sensitivity estimates equal, bit for bit, those of the same step whose fused
+    Functions are handed dequantized copies."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch_geometric.nn import GATv2Conv
+
+    from gact_graph import compress_gnn
+    from gact_graph.policy import sensitivity
+
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    estimates, kinds = [], []
+    result, kernel_features = sensitivity.SensitivityProbe.result, sgat._kernel_features
+    monkeypatch.setattr(sensitivity.SensitivityProbe, "result",
+                        lambda self: estimates.append(result(self)) or estimates[-1])  # fmt: skip
+    monkeypatch.setattr(sgat, "_kernel_features",
+                        lambda x, shape: kinds.append(type(kernel_features(x, shape)).__name__)
+                        or kernel_features(x, shape))  # fmt: skip
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = GATv2Conv(8, 6, heads=2), GATv2Conv(12, 4, heads=1)
+
+        def forward(self, x, ei):
+            return self.c2(F.elu(self.c1(x, ei)), ei)
+
+    used = {}
+    for reads in (True, False):
+        monkeypatch.setattr(sgat.GatV2FusedFunction, "reads_row_chunks", reads)
+        torch.manual_seed(0)
+        x, y = torch.randn(16, 8, device=DEVICE), torch.randint(0, 4, (16,), device=DEVICE)
+        ei = torch.randint(0, 16, (2, 40), device=DEVICE)
+        model = Net().to(DEVICE)
+        ctl = compress_gnn(model, bits=2, adaptive=True, min_numel=0)
+        kinds.clear()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="gact_graph: could not probe")
+            F.cross_entropy(model(x, ei), y).backward()
+            ctl.iterate()
+        used[reads] = set(kinds)
+        ctl.remove()
+    assert len(estimates) == 2 and estimates[0], estimates
+    assert estimates[0] == estimates[1]
+    assert used == {True: {"CodedFeatures", "Tensor"}, False: {"Tensor"}}, used
+
+
 def test_kernel_features_of_each_kind():
     """A dense saved view is reshaped (no copy); a `RowChunked` of a `QTensor` becomes its
     codes (any layout); a matrix read by rows of another kind is dequantized whole."""
