@@ -20,6 +20,21 @@ Usage::
     python benchmarks/gat_probe_peak.py --models gatv2 --steps 4 --json out.json
     python benchmarks/gat_probe_peak.py --device cpu --nodes 10000 --hidden 32 --trace
 
+``--edge-kernel triton`` runs the fused Triton kernels wherever they apply (on CPU only under
+``TRITON_INTERPRET=1``: slow, use a few hundred nodes); ``--kernel-reads dequantized`` has the
+fused Functions handed their compressed features dequantized whole inside the probe, as they
+were before they read the packed codes (`gact_graph.sparse.gat._kernel_features`)::
+
+    TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-kernel triton \
+        --nodes 600 --hidden 16 --models gatv2 --skip-dataless
+
+``--edge-stage`` measures one fused edge stage's backward alone (`edge_stage_peak`), its
+compressed features handed to it as the probe hands them (read by rows: the kernels read the
+packed codes) or dequantized whole, with the planner's meter (CPU; RowChunked not counted)::
+
+    TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-stage \
+        --nodes 200 --hidden 16 --heads 3
+
 ``--skip-dataless`` (CPU): the planner's meter counts a tensor subclass without data of its
 own (the probe's `RowChunked`) at its full size; this leaves it out.
 ``--trace`` (CPU): at each step's peak, print the tensors alive of at least a fifth of a unit,
@@ -208,7 +223,31 @@ def _instrument(meter: _Meter, paths: dict[str, int]):
     return lambda: [setattr(obj, name, f) for obj, name, f in undo]
 
 
+@contextlib.contextmanager
+def _edge_stage(args):
+    """``args.edge_kernel`` as `sgat.EDGE_KERNEL`, and (``args.kernel_reads == "dequantized"``)
+    the fused Functions made to take their compressed features dequantized whole."""
+    kernel = getattr(args, "edge_kernel", sgat.EDGE_KERNEL)
+    codes = getattr(args, "kernel_reads", "codes") == "codes"
+    fused = (sgat.GatFusedFunction, sgat.GatV2FusedFunction)
+    before = sgat.EDGE_KERNEL, [cls.reads_row_chunks for cls in fused]
+    sgat.EDGE_KERNEL = kernel
+    for cls in fused:
+        cls.reads_row_chunks = codes
+    try:
+        yield
+    finally:
+        sgat.EDGE_KERNEL = before[0]
+        for cls, reads in zip(fused, before[1]):
+            cls.reads_row_chunks = reads
+
+
 def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
+    with _edge_stage(args):
+        return _run(model_name, adaptive, args, device)
+
+
+def _run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     n, f = args.nodes, args.features
     x = torch.randn(n, f, device=device)
@@ -250,6 +289,58 @@ def run(model_name: str, adaptive: bool, args, device: torch.device) -> dict:
             "unit_bytes": unit, "steps": steps}  # fmt: skip
 
 
+def edge_stage_peak(model_name: str, reads: str, args) -> dict:
+    """Peak bytes (CPU, the planner's meter without dataless tensors) of one fused edge
+    stage's backward (`GatFusedFunction` / `GatV2FusedFunction`, statistics recomputed as a
+    compressing controller has them), its (N * H) x C features saved at 2 bits and handed
+    back as a `RowChunked` (``reads="codes"``: what the probe hands a Function that reads row
+    chunks; the kernels read the packed codes) or dequantized whole (``"dequantized"``), in
+    units of one N x H x C fp32 tensor, with the number of new tensors of at least one unit."""
+    from gact_graph.core.chunked import RowChunked
+    from gact_graph.core.quantize import quantize
+    from gact_graph.kernels import gat_edge
+
+    torch.manual_seed(0)
+    n, heads, channels = args.nodes, args.heads, args.hidden
+    ei = torch.randint(0, n, (2, args.degree * n))
+    ei = torch.cat([ei, torch.arange(n).repeat(2, 1)], 1)
+    order = torch.argsort(ei[1], stable=True)
+    col = ei[0, order].to(torch.int32)
+    rowptr = torch.zeros(n + 1, dtype=torch.long)
+    rowptr[1:] = torch.bincount(ei[1], minlength=n).cumsum(0)
+    transpose = gat_edge.csr_transpose(rowptr, col, n)
+    shape = (n * heads, channels)
+    x = torch.randn(n, heads, channels, requires_grad=True)
+    x_r = torch.randn(n, heads, channels, requires_grad=True)
+    a_src, a_dst = (torch.randn(n, heads, requires_grad=True) for _ in range(2))
+    att = torch.randn(1, heads, channels, requires_grad=True)
+
+    def pack(t):
+        return quantize(t.detach(), 2, seed=1) if tuple(t.shape) == shape else t
+
+    def unpack(p):
+        if isinstance(p, torch.Tensor):
+            return p
+        return RowChunked(p) if reads == "codes" else p.dequantize()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        if model_name == "gat":
+            leaves = (x, a_src, a_dst)
+            out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose)
+        else:
+            leaves = (x, x_r, att)
+            out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose,
+                                             recompute_stats=True)  # fmt: skip
+    grad = torch.randn(out.shape)
+    unit = n * heads * channels * 4
+    with _cpu_meter(skip_dataless=True)() as meter:
+        grads = torch.autograd.grad(out, leaves, grad)
+        big = sum(1 for g in grads if g.numel() * 4 >= unit)
+        peak = meter.peak - meter.start
+    return {"model": model_name, "reads": reads, "peak_units": round(peak / unit, 2),
+            "gradients_of_one_unit": big}  # fmt: skip
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,6 +352,13 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=3, help="the preset's heads (for the unit)")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
+    ap.add_argument("--edge-kernel", default="auto", choices=["auto", "triton", "chunked"],
+                    help="sparse.gat.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)")
+    ap.add_argument("--kernel-reads", default="codes", choices=["codes", "dequantized"],
+                    help="what the fused kernels' backward reads of a compressed input inside "
+                    "the probe: its packed codes, or a dequantized copy")
+    ap.add_argument("--edge-stage", action="store_true",
+                    help="CPU: one fused edge stage's backward alone (edge_stage_peak)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-dataless", action="store_true",
                     help="CPU: do not count tensor subclasses without data (RowChunked), which "
@@ -272,7 +370,16 @@ def main(argv=None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     results = []
-    for name in args.models.split(","):
+    if args.edge_stage:
+        for name in args.models.split(","):
+            for reads in ("dequantized", "codes"):
+                res = edge_stage_peak(name, reads, args)
+                results.append(res)
+                print(f"{name:6s} backward, features read as {reads:11s}: peak "
+                      f"{res['peak_units']:5.2f} (N x H x C units; its gradients: "
+                      f"{res['gradients_of_one_unit']})", flush=True)  # fmt: skip
+        args.models = ""
+    for name in filter(None, args.models.split(",")):
         for adaptive in (False, True):
             res = run(name, adaptive, args, device)
             results.append(res)

@@ -46,6 +46,13 @@ a small P x H x C buffer instead of with atomics. The transpose pass makes ``gra
 No E x H x C and no E x H tensor exists in either direction. Everything accumulates in fp32;
 offsets into N x H x C tensors are int64.
 
+**Features read from their codes.** The backward kernels and GATv2's statistics pass take
+their node features dense or as `CodedFeatures`: the quantizer's packed codes and per-group
+metadata of the (N * H) x C matrix (any `GroupLayout`), decoded per element in the kernel
+(`_decode`) to the very value the dequantized copy holds, so no N x H x C copy is made
+(the sensitivity probe's backwards hand their compressed features so,
+`gact_graph.sparse.gat._kernel_features`).
+
 **Blocking** (edges per block, rows per program, warps) is chosen lazily per kernel, head
 count, width, dtype and a coarse degree bucket (the mean degree ``E / N`` rounded to a power of
 two, from the shapes alone), timed once on CUDA and cached; never keyed on exact node or edge
@@ -60,9 +67,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from gact_graph.kernels.layout import GroupLayout
 
 try:  # Triton is optional; the reference below never needs it.
     import triton
@@ -72,8 +82,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 __all__ = [
+    "CodedFeatures",
     "KERNEL_DTYPES",
     "aggregate_reference",
+    "coded_features",
     "csr_transpose",
     "degree_bucket",
     "draw_seed",
@@ -147,6 +159,68 @@ if triton is not None:
         return tl.load(ptr + row * HC + h * C + offs_c, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _decode(packed_ptr, meta_ptr, r, c, mask, C, qk, qn, qg, BITS: tl.constexpr,
+                ROUND: tl.constexpr):  # fmt: skip
+        """Element ``(r, c)`` (int64 rows ``r`` and channels ``c``, broadcast) of a quantized
+        (N * H) x C matrix read from its packed codes, as fp32: the value its dequantization
+        holds (`decode_codes_`: ``code * scale + lo``, the product exact), rounded to the
+        features' dtype (``ROUND``: 0 fp32, 1 bf16, 2 fp16) and back, so that it equals the
+        dequantized copy's element bit for bit. The layout (`GroupLayout`): ``qk`` rows per
+        group, ``qn`` groups per row, ``qg`` elements per group; element ``(r, c)`` lies in
+        group ``(r // qk) * qn + c // qg`` at position ``(r % qk) * C + c % qg``, its code at
+        bit ``(group * qg + position) * BITS`` of the packed bytes (little-endian in a byte)."""
+        grp = (r // qk) * qn + c // qg
+        bit = (grp * qg + (r % qk) * C + c % qg) * BITS
+        byte = tl.load(packed_ptr + (bit >> 3), mask=mask, other=0).to(tl.int32)
+        code = (byte >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+        # the group's bf16 (lo, scale) pair as one little-endian word (`decode_meta`)
+        word = tl.load(meta_ptr + grp, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        lo16 = word & 0xFFFF
+        sc16 = word >> 16
+        const = (sc16 & 0x8000) != 0
+        b0 = tl.where(const, (lo16 << 16) | ((sc16 & 0x7FFF) << 1), lo16 << 16)
+        lo = b0.to(tl.float32, bitcast=True)
+        scale = tl.where(
+            const,
+            (b0 | 1).to(tl.float32, bitcast=True) - lo,
+            (sc16 << 16).to(tl.float32, bitcast=True),
+        )
+        val = code.to(tl.float32) * scale + lo  # the product is exact: one rounding
+        if ROUND == 1:
+            # to bf16, round to nearest even on the bits (Triton's interpreter truncates a
+            # cast), NaN canonical as torch's; back to fp32 by the same bits
+            vb = val.to(tl.uint32, bitcast=True)
+            vb = ((vb + 0x7FFF + ((vb >> 16) & 1)) >> 16) << 16
+            vb = tl.where(val != val, 0x7FC00000, vb)
+            val = vb.to(tl.float32, bitcast=True)
+        elif ROUND == 2:  # fp16: clamped to its range as `decode_codes_` does, NaN kept
+            val = tl.minimum(tl.maximum(val, -65504.0, tl.PropagateNan.ALL), 65504.0,
+                             tl.PropagateNan.ALL)  # fmt: skip
+            val = val.to(tl.float16).to(tl.float32)
+        return tl.where(mask, val, 0.0)
+
+    @triton.jit
+    def _gather_features(ptr, meta_ptr, nodes, h, H, C, offs_c, emask, cmask, qk, qn, qg,
+                         BITS: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
+        """`_gather` of node features that are dense (``BITS == 0``) or quantized codes
+        (``ptr`` the packed bytes, ``meta_ptr`` the groups' metadata words; `_decode`)."""
+        if BITS == 0:
+            return _gather(ptr, nodes, h, H * C, C, offs_c, emask, cmask)
+        r = nodes * H + h
+        return _decode(ptr, meta_ptr, r[:, None], offs_c[None, :],
+                       emask[:, None] & cmask[None, :], C, qk, qn, qg, BITS, ROUND)  # fmt: skip
+
+    @triton.jit
+    def _feature_row(ptr, meta_ptr, row, h, H, C, offs_c, mask, qk, qn, qg,
+                     BITS: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
+        """`_load_row` of node features that are dense or quantized codes, as
+        `_gather_features`."""
+        if BITS == 0:
+            return _load_row(ptr, row, h, H * C, C, offs_c, mask)
+        return _decode(ptr, meta_ptr, offs_c * 0 + (row * H + h), offs_c, mask, C, qk, qn, qg,
+                       BITS, ROUND)  # fmt: skip
+
+    @triton.jit
     def _transposed_multiplier(seed, t_pos_ptr, j, emask, h, H, p, drop_scale,
                                HAS_POS: tl.constexpr):  # fmt: skip
         """The dropout multiplier of the transpose's edges ``j``: drawn at their CSR positions
@@ -204,11 +278,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gat_edge_bwd_dst_kernel(
-        x_ptr, a_src_ptr, a_dst_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr, go_ptr,
-        d_ptr, ga_dst_ptr,
-        num_rows, H, C, slope, p, drop_scale,
+        x_ptr, x_meta_ptr, a_src_ptr, a_dst_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr,
+        go_ptr, d_ptr, ga_dst_ptr,
+        num_rows, H, C, slope, p, drop_scale, xk, xn, xg,
         HAS_DST: tl.constexpr, NEED_DST: tl.constexpr, DROPOUT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+        X_BITS: tl.constexpr, X_ROUND: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
@@ -234,7 +309,8 @@ if triton is not None:
                 dslope = tl.where(pre > 0, 1.0, slope)
                 alpha = tl.exp(pre * dslope - m) / s
                 alpha = tl.where(emask, alpha, 0.0)
-                xv = _gather(x_ptr, src, h, HC, C, offs_c, emask, cmask)
+                xv = _gather_features(x_ptr, x_meta_ptr, src, h, H, C, offs_c, emask, cmask,
+                                      xk, xn, xg, X_BITS, X_ROUND)  # fmt: skip
                 g = tl.sum(xv * go[None, :], 1)
                 if DROPOUT:
                     g = g * _dropout_multiplier(seed, k, h, H, p, drop_scale)
@@ -251,13 +327,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gat_edge_bwd_src_kernel(
-        x_ptr, a_src_ptr, a_dst_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
+        x_ptr, x_meta_ptr, a_src_ptr, a_dst_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
         m_ptr, s_ptr, go_ptr, d_ptr,
         gx_ptr, ga_src_ptr,
-        num_rows, H, C, slope, p, drop_scale,
+        num_rows, H, C, slope, p, drop_scale, xk, xn, xg,
         HAS_DST: tl.constexpr, HAS_POS: tl.constexpr, NEED_X: tl.constexpr,
         NEED_SRC: tl.constexpr, DROPOUT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+        X_BITS: tl.constexpr, X_ROUND: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
@@ -268,7 +345,10 @@ if triton is not None:
                 t_rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS
             )
             a_s = tl.load(a_src_ptr + row * H + h, mask=live, other=0.0).to(tl.float32)
-            xs = _load_row(x_ptr, row, h, HC, C, offs_c, row_c)
+            xs = tl.zeros((BLOCK_C,), tl.float32)
+            if NEED_SRC:  # (the features' gradient never reads the features)
+                xs = _feature_row(x_ptr, x_meta_ptr, row, h, H, C, offs_c, row_c, xk, xn, xg,
+                                  X_BITS, X_ROUND)  # fmt: skip
             gx = tl.zeros((BLOCK_C,), tl.float32)
             ga = tl.zeros((), tl.float32)
             for j0 in range(start, end, BLOCK_E):
@@ -318,11 +398,12 @@ if triton is not None:
     # ------------------------------------------------------------------------ GATv2
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gatv2_edge_fwd_kernel(
-        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr,
+        xl_ptr, xl_meta_ptr, xr_ptr, xr_meta_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr,
         out_ptr, m_ptr, s_ptr,
-        num_rows, H, C, slope, p, drop_scale,
+        num_rows, H, C, slope, p, drop_scale, lk, ln, lg, rk, rn, rg,
         DROPOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_C: tl.constexpr, STATS_ONLY: tl.constexpr,
+        L_BITS: tl.constexpr, R_BITS: tl.constexpr, X_ROUND: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         h, offs_e, offs_c, cmask, seed = _program(
@@ -332,7 +413,8 @@ if triton is not None:
         att = tl.load(att_ptr + h * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
         for r in range(ROWS):
             row, live, row_c, start, end = _row(rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS)
-            xr = _load_row(xr_ptr, row, h, HC, C, offs_c, row_c)
+            xr = _feature_row(xr_ptr, xr_meta_ptr, row, h, H, C, offs_c, row_c, rk, rn, rg,
+                              R_BITS, X_ROUND)  # fmt: skip
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             acc = tl.zeros((BLOCK_C,), tl.float32)
@@ -340,7 +422,8 @@ if triton is not None:
                 k = e0 + offs_e
                 emask = k < end
                 src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
-                xl = _gather(xl_ptr, src, h, HC, C, offs_c, emask, cmask)
+                xl = _gather_features(xl_ptr, xl_meta_ptr, src, h, H, C, offs_c, emask, cmask,
+                                      lk, ln, lg, L_BITS, X_ROUND)  # fmt: skip
                 z = xl + xr[None, :]
                 z = tl.where(z > 0, z, z * slope)
                 logit = tl.sum(z * att[None, :], 1)
@@ -366,11 +449,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gatv2_edge_bwd_dst_kernel(
-        xl_ptr, xr_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr, m_ptr, s_ptr, go_ptr,
-        d_ptr, gxr_ptr, gatt_part_ptr,
-        num_rows, num_programs, H, C, slope, p, drop_scale,
+        xl_ptr, xl_meta_ptr, xr_ptr, xr_meta_ptr, att_ptr, rowptr_ptr, col_ptr, seed_ptr,
+        m_ptr, s_ptr, go_ptr, d_ptr, gxr_ptr, gatt_part_ptr,
+        num_rows, num_programs, H, C, slope, p, drop_scale, lk, ln, lg, rk, rn, rg,
         NEED_R: tl.constexpr, NEED_ATT: tl.constexpr, DROPOUT: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+        L_BITS: tl.constexpr, R_BITS: tl.constexpr, X_ROUND: tl.constexpr,
     ):  # fmt: skip
         # A fixed number of programs per head, each walking rows pid, pid + P, ...: the
         # attention vector's gradient is summed per program (P x H x C partials), no atomics.
@@ -385,7 +469,8 @@ if triton is not None:
             m = tl.load(m_ptr + row * H + h)
             s = tl.load(s_ptr + row * H + h)
             go = _load_row(go_ptr, row, h, HC, C, offs_c, cmask)
-            xr = _load_row(xr_ptr, row, h, HC, C, offs_c, cmask)
+            xr = _feature_row(xr_ptr, xr_meta_ptr, row, h, H, C, offs_c, cmask, rk, rn, rg,
+                              R_BITS, X_ROUND)  # fmt: skip
             sum_ag = tl.zeros((), tl.float32)
             v1 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha g lrelu(z)
             v2 = tl.zeros((BLOCK_C,), tl.float32)  # sum alpha lrelu(z)
@@ -395,7 +480,8 @@ if triton is not None:
                 k = e0 + offs_e
                 emask = k < end
                 src = tl.load(col_ptr + k, mask=emask, other=0).to(tl.int64)
-                xl = _gather(xl_ptr, src, h, HC, C, offs_c, emask, cmask)
+                xl = _gather_features(xl_ptr, xl_meta_ptr, src, h, H, C, offs_c, emask, cmask,
+                                      lk, ln, lg, L_BITS, X_ROUND)  # fmt: skip
                 z = xl + xr[None, :]
                 dz = tl.where(z > 0, 1.0, slope)
                 lz = z * dz
@@ -427,11 +513,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["p", "drop_scale"])
     def _gatv2_edge_bwd_src_kernel(
-        xl_ptr, xr_ptr, att_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr, seed_ptr,
-        m_ptr, s_ptr, go_ptr, d_ptr, gxl_ptr,
-        num_rows, H, C, slope, p, drop_scale,
+        xl_ptr, xl_meta_ptr, xr_ptr, xr_meta_ptr, att_ptr, t_rowptr_ptr, t_col_ptr, t_pos_ptr,
+        seed_ptr, m_ptr, s_ptr, go_ptr, d_ptr, gxl_ptr,
+        num_rows, H, C, slope, p, drop_scale, lk, ln, lg, rk, rn, rg,
         HAS_POS: tl.constexpr, DROPOUT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+        L_BITS: tl.constexpr, R_BITS: tl.constexpr, X_ROUND: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         h, offs_e, offs_c, cmask, seed = _program(seed_ptr, C, DROPOUT, BLOCK_E, BLOCK_C)
@@ -442,13 +529,15 @@ if triton is not None:
             row, live, row_c, start, end = _row(
                 t_rowptr_ptr, pid, r, num_rows, offs_c, cmask, ROWS
             )
-            xs = _load_row(xl_ptr, row, h, HC, C, offs_c, row_c)
+            xs = _feature_row(xl_ptr, xl_meta_ptr, row, h, H, C, offs_c, row_c, lk, ln, lg,
+                              L_BITS, X_ROUND)  # fmt: skip
             gx = tl.zeros((BLOCK_C,), tl.float32)
             for j0 in range(start, end, BLOCK_E):
                 j = j0 + offs_e
                 emask = j < end
                 dst = tl.load(t_col_ptr + j, mask=emask, other=0).to(tl.int64)
-                xr = _gather(xr_ptr, dst, h, HC, C, offs_c, emask, cmask)
+                xr = _gather_features(xr_ptr, xr_meta_ptr, dst, h, H, C, offs_c, emask, cmask,
+                                      rk, rn, rg, R_BITS, X_ROUND)  # fmt: skip
                 go = _gather(go_ptr, dst, h, HC, C, offs_c, emask, cmask)
                 z = xs[None, :] + xr
                 dz = tl.where(z > 0, 1.0, slope)
@@ -547,6 +636,68 @@ def _dropout_args(p: float, seed: Tensor | None, device: torch.device):
     drop_scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
     dummy = seed if dropout else torch.zeros(1, dtype=torch.int64, device=device)
     return dropout, drop_scale, dummy
+
+
+class CodedFeatures(NamedTuple):
+    """Node features (N x H x C) that the backward kernels (and GATv2's statistics pass) read
+    from the quantizer's packed codes rather than from a dequantized copy (`coded_features`
+    makes one). Every element they read is the value the dequantized copy would hold, bit for
+    bit (`_decode`), so the results equal those of the kernels fed that copy."""
+
+    packed: Tensor  #: uint8 codes of the (N * H) x C matrix, group after group
+    meta: Tensor  #: int32 per group: bf16 ``lo`` in the low half, bf16 ``scale`` in the high
+    bits: int
+    layout: GroupLayout  #: of the (N * H) x C matrix
+    shape: torch.Size  #: N x H x C
+    dtype: torch.dtype  #: of the dequantized features
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def dim(self) -> int:
+        return 3
+
+
+def coded_features(packed: Tensor, meta: Tensor, bits: int, layout: GroupLayout,
+                   dtype: torch.dtype, heads: int) -> CodedFeatures:  # fmt: skip
+    """`CodedFeatures` of a quantized (N * H) x C matrix (a `QTensor`'s ``packed``, ``meta``
+    (num_groups x 2 bf16), ``bits``, ``layout`` and ``dtype``), read as N x H x C. Any
+    `GroupLayout` is read: groups of several whole rows, of one row, or of part of a row,
+    padded or not."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"codes of 1, 2, 4 or 8 bits are read, got {bits!r}")
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"coded features must dequantize to one of {KERNEL_DTYPES}, got {dtype}")
+    if heads < 1 or layout.rows % heads or layout.cols < 1 or layout.num_groups < 1:
+        raise ValueError(
+            f"a {layout.rows} x {layout.cols} quantized matrix is not (N * {heads}) x C"
+        )
+    if packed.dtype != torch.uint8 or packed.numel() < layout.packed_nbytes(bits):
+        raise ValueError(
+            f"packed codes must be uint8 of {layout.packed_nbytes(bits)} bytes for this layout"
+        )
+    if meta.shape != (layout.num_groups, 2) or meta.element_size() != 2:
+        raise ValueError(f"meta must be {layout.num_groups} x 2 16-bit (lo, scale) pairs")
+    words = meta.contiguous().view(torch.int16).view(torch.int32).reshape(-1)
+    shape = torch.Size((layout.rows // heads, heads, layout.cols))
+    return CodedFeatures(packed.reshape(-1), words, bits, layout, shape, dtype)
+
+
+#: ``X_ROUND`` of the kernels: the dtype a dequantized element is rounded to.
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _feature_args(x: Tensor | CodedFeatures) -> tuple:
+    """``(data, metadata, (rows per group, groups per row, group size), bits, round)``: the
+    kernels' arguments for features ``x``, dense (``bits`` 0; the metadata pointer unused) or
+    `CodedFeatures`."""
+    if isinstance(x, CodedFeatures):
+        lay = x.layout
+        layout = (lay.rows_per_group, lay.groups_per_row, lay.group_size)
+        return x.packed, x.meta, layout, x.bits, _ROUND[x.dtype]
+    x = x.contiguous()
+    return x, x, (1, 1, 1), 0, 0
 
 
 def _check(x: Tensor, a_src: Tensor, a_dst: Tensor | None, rowptr: Tensor, col: Tensor):
@@ -650,11 +801,12 @@ def gat_edge_backward(
     num_dst, num_src = rowptr.numel() - 1, x.shape[0]
     _, heads, channels = x.shape
     _check_transpose(t_rowptr, t_col, t_pos, col, num_src)
-    x, a_src, grad_out = x.contiguous(), a_src.contiguous(), grad_out.contiguous()
+    xd, xm, (xk, xn, xg), x_bits, x_round = _feature_args(x)
+    a_src, grad_out = a_src.contiguous(), grad_out.contiguous()
     a_dst = a_dst.contiguous() if a_dst is not None else None
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x.device)
     dev = x.device
-    grad_x = torch.empty_like(x) if need_x else None
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None
     grad_src = torch.empty_like(a_src) if need_src else None
     grad_dst = torch.empty_like(a_dst) if need_dst else None
     if heads * channels == 0:
@@ -669,30 +821,32 @@ def gat_edge_backward(
         def run_dst(cfg):
             block_e, rows, warps = cfg
             _gat_edge_bwd_dst_kernel[(triton.cdiv(num_dst, rows), heads)](
-                x, a_src, a_dst_arg, rowptr, col, seed_t, m, s, grad_out, d,
+                xd, xm, a_src, a_dst_arg, rowptr, col, seed_t, m, s, grad_out, d,
                 grad_dst if need_dst else d, num_dst, heads, channels, slope, p, drop_scale,
-                HAS_DST=a_dst is not None, NEED_DST=need_dst, DROPOUT=drop, ROWS=rows,
-                BLOCK_E=block_e, BLOCK_C=block_c, num_warps=warps,
+                xk, xn, xg, HAS_DST=a_dst is not None, NEED_DST=need_dst, DROPOUT=drop,
+                ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c, X_BITS=x_bits, X_ROUND=x_round,
+                num_warps=warps,
             )  # fmt: skip
 
-        key = ("bwd_dst", heads, channels, x.dtype, grad_out.dtype, bucket, need_dst, drop)
+        key = ("bwd_dst", heads, channels, x.dtype, x_bits, grad_out.dtype, bucket, need_dst,
+               drop)  # fmt: skip
         run_dst(_blocking(key, bucket, run_dst, dev, config))
     if (need_x or need_src) and num_src > 0:
 
         def run_src(cfg):
             block_e, rows, warps = cfg
             _gat_edge_bwd_src_kernel[(triton.cdiv(num_src, rows), heads)](
-                x, a_src, a_dst_arg, t_rowptr, t_col, t_pos if t_pos is not None else t_col,
-                seed_t, m, s, grad_out, d,
-                grad_x if need_x else x, grad_src if need_src else a_src,
-                num_src, heads, channels, slope, p, drop_scale,
+                xd, xm, a_src, a_dst_arg, t_rowptr, t_col,
+                t_pos if t_pos is not None else t_col, seed_t, m, s, grad_out, d,
+                grad_x if need_x else grad_out, grad_src if need_src else a_src,
+                num_src, heads, channels, slope, p, drop_scale, xk, xn, xg,
                 HAS_DST=a_dst is not None, HAS_POS=t_pos is not None, NEED_X=need_x,
                 NEED_SRC=need_src, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c,
-                num_warps=warps,
+                X_BITS=x_bits, X_ROUND=x_round, num_warps=warps,
             )  # fmt: skip
 
-        key = ("bwd_src", heads, channels, x.dtype, grad_out.dtype, bucket, need_x, need_src,
-               drop)  # fmt: skip
+        key = ("bwd_src", heads, channels, x.dtype, x_bits, grad_out.dtype, bucket, need_x,
+               need_src, drop)  # fmt: skip
         run_src(_blocking(key, bucket, run_src, dev, config))
     return grad_x, grad_src, grad_dst
 
@@ -747,7 +901,9 @@ def gatv2_edge_forward(
     _check_v2(x_l, x_r, att, rowptr, col)
     num_dst = rowptr.numel() - 1
     _, heads, channels = x_l.shape
-    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
+    ld, lm, l_layout, l_bits, x_round = _feature_args(x_l)
+    rd, rm, r_layout, r_bits, _ = _feature_args(x_r)
+    att = att.contiguous()
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
     m = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
     s = torch.empty(num_dst, heads, dtype=torch.float32, device=x_l.device)
@@ -763,13 +919,15 @@ def gatv2_edge_forward(
     def run(cfg):
         block_e, rows, warps = cfg
         _gatv2_edge_fwd_kernel[(triton.cdiv(num_dst, rows), heads)](
-            x_l, x_r, att, rowptr, col, seed_t, m if out is None else out, m, s, num_dst,
-            heads, channels, float(negative_slope), float(dropout), drop_scale, DROPOUT=drop,
-            ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c, STATS_ONLY=stats_only,
+            ld, lm, rd, rm, att, rowptr, col, seed_t, m if out is None else out, m, s, num_dst,
+            heads, channels, float(negative_slope), float(dropout), drop_scale, *l_layout,
+            *r_layout, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c,
+            STATS_ONLY=stats_only, L_BITS=l_bits, R_BITS=r_bits, X_ROUND=x_round,
             num_warps=warps,
         )  # fmt: skip
 
-    key = ("v2_fwd", heads, channels, x_l.dtype, out_dtype, bucket, drop, stats_only)
+    key = ("v2_fwd", heads, channels, x_l.dtype, l_bits, r_bits, out_dtype, bucket, drop,
+           stats_only)  # fmt: skip
     run(_blocking(key, bucket, run, x_l.device, config))
     return out, m, s
 
@@ -804,12 +962,13 @@ def gatv2_edge_backward(
     num_dst, num_src = rowptr.numel() - 1, x_l.shape[0]
     _, heads, channels = x_l.shape
     _check_transpose(t_rowptr, t_col, t_pos, col, num_src)
-    x_l, x_r, att = x_l.contiguous(), x_r.contiguous(), att.contiguous()
-    grad_out = grad_out.contiguous()
+    ld, lm, l_layout, l_bits, x_round = _feature_args(x_l)
+    rd, rm, r_layout, r_bits, _ = _feature_args(x_r)
+    att, grad_out = att.contiguous(), grad_out.contiguous()
     drop, drop_scale, seed_t = _dropout_args(float(dropout), seed, x_l.device)
     dev = x_l.device
-    grad_l = torch.empty_like(x_l) if need_l else None
-    grad_r = torch.empty_like(x_r) if need_r else None
+    grad_l = torch.empty(x_l.shape, dtype=x_l.dtype, device=dev) if need_l else None
+    grad_r = torch.empty(x_r.shape, dtype=x_r.dtype, device=dev) if need_r else None
     grad_att = None
     if heads * channels == 0 or not (need_l or need_r or need_att):
         if need_att:
@@ -826,14 +985,15 @@ def gatv2_edge_backward(
         def run_dst(cfg):
             block_e, _, warps = cfg
             _gatv2_edge_bwd_dst_kernel[(programs, heads)](
-                x_l, x_r, att, rowptr, col, seed_t, m, s, grad_out, d,
-                grad_r if need_r else x_r, part, num_dst, programs, heads, channels, slope, p,
-                drop_scale, NEED_R=need_r, NEED_ATT=need_att, DROPOUT=drop, BLOCK_E=block_e,
-                BLOCK_C=block_c, num_warps=warps,
+                ld, lm, rd, rm, att, rowptr, col, seed_t, m, s, grad_out, d,
+                grad_r if need_r else grad_out, part, num_dst, programs, heads, channels,
+                slope, p, drop_scale, *l_layout, *r_layout, NEED_R=need_r, NEED_ATT=need_att,
+                DROPOUT=drop, BLOCK_E=block_e, BLOCK_C=block_c, L_BITS=l_bits, R_BITS=r_bits,
+                X_ROUND=x_round, num_warps=warps,
             )  # fmt: skip
 
-        key = ("v2_bwd_dst", heads, channels, x_l.dtype, grad_out.dtype, bucket, need_r,
-               need_att, drop)  # fmt: skip
+        key = ("v2_bwd_dst", heads, channels, x_l.dtype, l_bits, r_bits, grad_out.dtype,
+               bucket, need_r, need_att, drop)  # fmt: skip
         run_dst(_blocking(key, bucket, run_dst, dev, config, rows=False))
     elif need_r:
         grad_r.zero_()
@@ -844,13 +1004,15 @@ def gatv2_edge_backward(
         def run_src(cfg):
             block_e, rows, warps = cfg
             _gatv2_edge_bwd_src_kernel[(triton.cdiv(num_src, rows), heads)](
-                x_l, x_r, att, t_rowptr, t_col, t_pos if t_pos is not None else t_col, seed_t,
-                m, s, grad_out, d, grad_l, num_src, heads, channels, slope, p, drop_scale,
-                HAS_POS=t_pos is not None, DROPOUT=drop, ROWS=rows, BLOCK_E=block_e,
-                BLOCK_C=block_c, num_warps=warps,
+                ld, lm, rd, rm, att, t_rowptr, t_col, t_pos if t_pos is not None else t_col,
+                seed_t, m, s, grad_out, d, grad_l, num_src, heads, channels, slope, p,
+                drop_scale, *l_layout, *r_layout, HAS_POS=t_pos is not None, DROPOUT=drop,
+                ROWS=rows, BLOCK_E=block_e, BLOCK_C=block_c, L_BITS=l_bits, R_BITS=r_bits,
+                X_ROUND=x_round, num_warps=warps,
             )  # fmt: skip
 
-        key = ("v2_bwd_src", heads, channels, x_l.dtype, grad_out.dtype, bucket, drop)
+        key = ("v2_bwd_src", heads, channels, x_l.dtype, l_bits, r_bits, grad_out.dtype,
+               bucket, drop)  # fmt: skip
         run_src(_blocking(key, bucket, run_src, dev, config))
     return grad_l, grad_r, grad_att
 

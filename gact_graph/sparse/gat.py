@@ -625,9 +625,16 @@ class GatFusedFunction(torch.autograd.Function):
     None when the orders agree) and ``keep_lossless``, called on the softmax statistics before
     they are saved (the controller must not quantize them), or None. Attention dropout is the
     kernels' own Philox draw from a seed drawn here on the device's default generator (an
-    int64 tensor: no host sync); backward regenerates it. Saves ``x_src``, ``a_src``,
-    ``a_dst``, the CSR and its transpose, the statistics (2 x N_dst x H fp32) and the seed.
+    int64 tensor: no host sync); backward regenerates it. Saves ``x_src`` (as its (N * H) x C
+    view, the same quantization groups), ``a_src``, ``a_dst``, the CSR and its transpose, the
+    statistics (2 x N_dst x H fp32) and the seed.
+
+    Inside the sensitivity probe's work (``reads_row_chunks``) a compressed ``x_src`` arrives
+    as a matrix read by rows (`_row_matrix`), and the backward kernels read its packed codes
+    directly (`_kernel_features`): no dequantized N x H x C copy, the same values.
     """
+
+    reads_row_chunks = True
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -645,8 +652,9 @@ class GatFusedFunction(torch.autograd.Function):
         if keep_lossless is not None:
             keep_lossless(m)
             keep_lossless(s)
-        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
-                              seed)  # fmt: skip
+        ctx.x_shape = x_src.shape
+        ctx.save_for_backward(_as_rows(x_src), a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos,
+                              m, s, seed)  # fmt: skip
         ctx.negative_slope, ctx.dropout = slope, p
         return out
 
@@ -656,6 +664,8 @@ class GatFusedFunction(torch.autograd.Function):
         from gact_graph.kernels import gat_edge
 
         x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        x_src = _kernel_features(x_src, ctx.x_shape)
+        a_src, a_dst = _dense(a_src), _dense(a_dst)  # (kept lossless: dense already)
         needs = tuple(ctx.needs_input_grad[:3])
         grad_x, grad_src, grad_dst = gat_edge.gat_edge_backward(
             grad_out, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
@@ -694,7 +704,13 @@ class GatV2FusedFunction(torch.autograd.Function):
     dequantized features whose logits differ from the forward's) backward recomputes them
     from what it is handed (one pass over the rows, no aggregation):
     coefficients from the forward's statistics and the dequantized logits would not sum to
-    one, and in half precision their exponentials overflow."""
+    one, and in half precision their exponentials overflow.
+
+    ``x_l`` and ``x_r`` are saved as their (N * H) x C views; inside the sensitivity probe's
+    work (``reads_row_chunks``) the kernels read a compressed one's packed codes directly, as
+    `GatFusedFunction` reads ``x_src``: neither is dequantized whole."""
+
+    reads_row_chunks = True
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -711,7 +727,11 @@ class GatV2FusedFunction(torch.autograd.Function):
         )
         if recompute_stats:
             m = s = None
-        ctx.save_for_backward(x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed)
+        ctx.shapes = (x_l.shape, x_r.shape)
+        rows_l = _as_rows(x_l)
+        rows_r = rows_l if x_r is x_l else _as_rows(x_r)  # one tensor, saved once
+        ctx.save_for_backward(rows_l, rows_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+                              seed)  # fmt: skip
         ctx.negative_slope, ctx.dropout = slope, p
         return out
 
@@ -721,6 +741,9 @@ class GatV2FusedFunction(torch.autograd.Function):
         from gact_graph.kernels import gat_edge
 
         x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        same = x_r is x_l
+        x_l = _kernel_features(x_l, ctx.shapes[0])
+        x_r = x_l if same else _kernel_features(x_r, ctx.shapes[1])
         if m is None:
             _, m, s = gat_edge.gatv2_edge_forward(
                 x_l, x_r, att, rowptr, col, ctx.negative_slope, stats_only=True
@@ -750,6 +773,44 @@ def gatv2_attention_fused(
         x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope, dropout,
         recompute_stats,
     )  # fmt: skip
+
+
+def _as_rows(x: Tensor) -> Tensor:
+    """Features N x H x C as their (N * H) x C view (the same quantization groups), which a
+    probe hands back as a matrix read by rows (`_row_matrix`); ``x`` itself where no such
+    view exists."""
+    if x.dim() == 3 and x.is_contiguous() and x.numel() > 0:
+        return x.view(-1, x.shape[-1])
+    return x
+
+
+def _dense(x: Tensor | None) -> Tensor | None:
+    """``x``, dequantized whole if it is a compressed matrix read by rows (`_row_matrix`)."""
+    return x.dense() if x is not None and _row_matrix(x) is not None else x
+
+
+def _kernel_features(x: Tensor, shape: torch.Size):
+    """What the fused kernels read of features saved by `_as_rows` (N x H x C = ``shape``):
+    the packed codes (`gat_edge.CodedFeatures`) of a compressed matrix read by rows whose
+    codes they decode (a `QTensor` of 1 / 2 / 4 / 8 bits, any group layout), else a dense
+    N x H x C tensor: the one handed back, or (another compressed kind) its dequantization."""
+    from gact_graph.kernels import gat_edge
+
+    q = _row_matrix(x)
+    if q is None:
+        return x.reshape(shape)
+    lay = getattr(q, "layout", None)
+    readable = (
+        not getattr(x, "transposed", False)
+        and all(hasattr(q, a) for a in ("packed", "meta", "bits", "dtype"))
+        and getattr(q, "bits", None) in (1, 2, 4, 8)
+        and q.dtype in gat_edge.KERNEL_DTYPES
+        and lay is not None and lay.num_groups > 0
+        and (lay.rows, lay.cols) == (shape[0] * shape[1], shape[2])
+    )  # fmt: skip
+    if not readable:
+        return x.dense().reshape(shape)
+    return gat_edge.coded_features(q.packed, q.meta, q.bits, lay, q.dtype, shape[1])
 
 
 def _transpose(transpose, rowptr: Tensor, col: Tensor, num_src: int):

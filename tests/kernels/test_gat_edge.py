@@ -270,7 +270,7 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     assert all(p.grad is not None and p.grad.isfinite().all() for p in conv.parameters())
     # only the projection is quantized: the node logits and the softmax statistics are not
     quantized = [r["shape"] for r in ctl.stats()["tensors"] if r["bits"]]
-    assert quantized == [(n, 2, 5)], quantized
+    assert quantized == [(n * 2, 5)], quantized  # x_src, saved as its (N * H) x C view
 
 
 # ---------------------------------------------------------------------------- GATv2
@@ -352,8 +352,8 @@ def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
 
     def pack(t):
         for leaf, orig in zip(leaves[:2], (x_l, x_r)):
-            if t is leaf:
-                noisy[id(orig)] = t.detach() + noise[id(orig)]
+            if t is leaf or t._base is leaf:  # (saved as its (N * H) x C view)
+                noisy[id(orig)] = (leaf.detach() + noise[id(orig)]).view(t.shape)
                 return noisy[id(orig)]
         return t
 
@@ -362,7 +362,8 @@ def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
         out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, recompute_stats=True)
     out.float().backward(grad_out)
     assert len(noisy) == 2, "the test's pack hook saw neither feature tensor"
-    at = [noisy[id(x_l)].float().requires_grad_(), noisy[id(x_r)].float().requires_grad_(),
+    at = [noisy[id(x_l)].view(x_l.shape).float().requires_grad_(),
+          noisy[id(x_r)].view(x_r.shape).float().requires_grad_(),
           att.detach().clone().requires_grad_()]  # fmt: skip
     ge.gatv2_edge_reference(*at, rowptr, col, 0.2, 0.0, None).backward(grad_out)
     for name, leaf, want in zip(("x_l", "x_r", "att"), leaves, at):
@@ -606,9 +607,13 @@ def test_cuda_patched_layer_steady_state_makes_no_host_sync(conv_name, request, 
 # ---------------------------------------------------------------------------- compiled
 _POINTERS = {
     "rowptr_ptr": "*i64", "t_rowptr_ptr": "*i64", "seed_ptr": "*i64", "col_ptr": "*i32",
-    "t_col_ptr": "*i32", "t_pos_ptr": "*i32", "keep_ptr": "*i8",
+    "t_col_ptr": "*i32", "t_pos_ptr": "*i32", "keep_ptr": "*i8", "x_meta_ptr": "*i32",
+    "xl_meta_ptr": "*i32", "xr_meta_ptr": "*i32",
 }  # fmt: skip
 _CONSTANTS = {"ROWS": 2, "BLOCK_E": 16, "BLOCK_C": 128, "BLOCK": 128}
+#: the features' bits and rounding: dense bf16 features, or 2-bit codes of bf16 ones
+_FEATURES = {False: {"X_BITS": 0, "L_BITS": 0, "R_BITS": 0, "X_ROUND": 0},
+             True: {"X_BITS": 2, "L_BITS": 2, "R_BITS": 2, "X_ROUND": 1}}  # fmt: skip
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="interpreted kernels / no Triton")
@@ -618,10 +623,12 @@ _CONSTANTS = {"ROWS": 2, "BLOCK_E": 16, "BLOCK_C": 128, "BLOCK": 128}
      "_gatv2_edge_fwd_kernel", "_gatv2_edge_bwd_dst_kernel", "_gatv2_edge_bwd_src_kernel",
      "_gat_edge_keep_kernel"],
 )  # fmt: skip
-def test_kernels_compile_for_hopper_without_a_gpu(name):
+@pytest.mark.parametrize("coded", [False, True])
+def test_kernels_compile_for_hopper_without_a_gpu(name, coded):
     """The interpreter runs what Triton would refuse to compile (it checks neither types nor
     layouts): compile each kernel for sm_90 (Triton's own toolchain, no GPU needed), with
-    every feature switched on and bf16 features."""
+    every feature switched on and bf16 features, dense or read from their 2-bit codes
+    (`CodedFeatures`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -631,10 +638,12 @@ def test_kernels_compile_for_hopper_without_a_gpu(name):
     for param in kernel.params:
         if param.is_constexpr:
             signature[param.name] = "constexpr"
-            constants[param.name] = _CONSTANTS.get(param.name, True)
+            constants[param.name] = {**_CONSTANTS, **_FEATURES[coded]}.get(param.name, True)
         elif param.name.endswith("_ptr"):
-            bf16 = param.name in ("x_ptr", "xl_ptr", "xr_ptr", "gx_ptr", "gxl_ptr", "gxr_ptr")
-            signature[param.name] = _POINTERS.get(param.name, "*bf16" if bf16 else "*fp32")
+            features = param.name in ("x_ptr", "xl_ptr", "xr_ptr")
+            bf16 = features or param.name in ("gx_ptr", "gxl_ptr", "gxr_ptr")
+            kind = "*u8" if coded and features else "*bf16" if bf16 else "*fp32"
+            signature[param.name] = _POINTERS.get(param.name, kind)
         elif param.name in ("slope", "p", "drop_scale"):
             signature[param.name] = "fp32"
         else:
