@@ -61,7 +61,6 @@ from gact_graph.policy.adaptive import (
     plan_cost_bits,
 )
 from gact_graph.policy.sensitivity import S
-from gact_graph.policy.spread import MAX_SHARES
 
 __all__ = ["AcgcAdapter", "BoundInfeasible", "allocate_bits_bounded", "attach_acgc"]
 
@@ -201,7 +200,7 @@ class AcgcAdapter(Adapter):
         estimator: str = "probe",
         alert_share: float = 1.0,
         hysteresis: float = 0.1,
-        max_shares: int = MAX_SHARES,
+        max_shares: int | None = None,
     ) -> None:
         if estimator != "probe":
             raise ValueError(

@@ -371,7 +371,7 @@ class Adapter:
         estimator: str = "probe",
         alert_share: float = 0.5,
         hysteresis: float = 0.1,
-        max_shares: int = MAX_SHARES,
+        max_shares: int | None = None,
     ) -> None:
         if config.bits is None:
             raise ValueError("adaptive compression needs an average bits budget, not None")
@@ -379,6 +379,8 @@ class Adapter:
             raise ValueError(f"estimator must be 'probe' or 'two_seed', got {estimator!r}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        if max_shares is None:
+            max_shares = MAX_SHARES
         if isinstance(max_shares, bool) or not isinstance(max_shares, int) or max_shares < 1:
             raise ValueError(f"max_shares must be a positive int, got {max_shares!r}")
         self.avg_bits = float(config.bits)
