@@ -13,13 +13,13 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
 from gact_graph.sparse import gat as sgat
 from tests.kernels.interpreted import DEVICE, HAS_TRITON, INTERPRETED, kernel_test, run_interpreted
+from tests.sparse.allocations import LargeAllocations
 
 
 @pytest.fixture(autouse=True)
@@ -148,29 +148,6 @@ def test_gatv2_fused_backward_reads_the_codes(heads, channels, dtype, dropout, b
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
-class _LargeAllocations(TorchDispatchMode):
-    """Records the op of every new storage of at least ``min_bytes`` made under it."""
-
-    def __init__(self, min_bytes: int):
-        super().__init__()
-        self.min_bytes, self.made = min_bytes, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        res = func(*args, **(kwargs or {}))
-        given = {
-            a.untyped_storage().data_ptr()
-            for a in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(a, torch.Tensor) and type(a) is torch.Tensor
-        }
-        for t in torch.utils._pytree.tree_leaves(res):
-            if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in given and storage.nbytes() >= self.min_bytes:
-                self.made.append(str(func))
-        return res
-
-
 @kernel_test
 @pytest.mark.parametrize("model", ["gat", "gatv2"])
 def test_backward_makes_no_dequantized_copy(model):
@@ -193,7 +170,7 @@ def test_backward_makes_no_dequantized_copy(model):
             with _saved_as(mode, bits, (n * heads, channels)):
                 out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2,
                                                  recompute_stats=True)  # fmt: skip
-        meter = _LargeAllocations(x.numel() * 4)
+        meter = LargeAllocations(x.numel() * 4)
         with meter:
             torch.autograd.grad(out, leaves, w)
         made[mode] = sorted(meter.made)

@@ -13,6 +13,7 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.sparse import gat as sgat
 from gact_graph.switches import lean_backward
+from tests.sparse.allocations import LargeAllocations
 
 
 def _graph(n, e, seed):
@@ -136,7 +137,6 @@ def test_readers_give_the_dequantized_rows_bit_for_bit(channels, dtype, bits):
 def test_compressed_inputs_are_never_dequantized_whole():
     """Under `lean_backward` with both inputs read in parts, no ATen op makes a tensor the
     size of ``x_l`` or ``x_r`` but the two gradients (N x H x C each)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     n, heads, channels = 400, 2, 32
     rowptr, col = _graph(n, 3000, seed=2)
@@ -147,25 +147,8 @@ def test_compressed_inputs_are_never_dequantized_whole():
         out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, 0.0, None, 1 << 20)
     big = x_l.numel() * 4
 
-    class Sizes(TorchDispatchMode):
-        made = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            res = func(*args, **(kwargs or {}))
-            given = {
-                a.untyped_storage().data_ptr()
-                for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(a, torch.Tensor) and type(a) is torch.Tensor
-            }
-            for t in torch.utils._pytree.tree_leaves(res):
-                if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
-                    continue
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in given and storage.nbytes() >= big:
-                    self.made.append(str(func))
-            return res
-
     w = torch.randn(out.shape)
-    with Sizes(), lean_backward():
+    sizes = LargeAllocations(big)
+    with sizes, lean_backward():
         torch.autograd.grad(out, (x_l, x_r, att), w)
-    assert sorted(Sizes.made) == ["aten.zeros.default"] * 2, Sizes.made
+    assert sorted(sizes.made) == ["aten.zeros.default"] * 2, sizes.made
