@@ -33,6 +33,7 @@ from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
 from gact_graph.core.saved import (
     KINDS,
+    PARAM_COPY_NODES,
     StorageSet,
     is_autocast_param_copy,
     is_plain_strided,
@@ -538,7 +539,12 @@ class Controller:
         nbytes = min(nbytes, storage.nbytes())
         version = t._version
         params = self._params
-        if cdata in params or is_autocast_param_copy(t, params):
+        fn = t.grad_fn  # only a copy node or a view of one can be an autocast weight copy
+        if cdata in params or (
+            fn is not None
+            and type(fn).__name__ in PARAM_COPY_NODES
+            and is_autocast_param_copy(t, params)
+        ):
             return Stored(name, "param", t, None, nbytes, 0, version)
         if cdata in self._inputs:
             return Stored(name, "input", t, None, nbytes, 0, version)
