@@ -495,12 +495,18 @@ class Controller:
         # fields, as a plain tuple). The storage's address identifies it only while the storage
         # lives: an entry whose `Stored` holds the tensor itself keeps the storage alive as long
         # as the entry can hit, so it needs no weak reference; any other entry carries one and
-        # is dropped once the storage is freed (its address may then be reused).
+        # is dropped once the storage is freed (its address may then be reused). A held tensor
+        # whose storage was swapped in place (``set_``) no longer holds the keyed storage: the
+        # hit checks that it still does.
         key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None:
             hit_ref, hit_stored = hit[0], hit[1]()
-            if hit_stored is not None and (hit_ref is None or not hit_ref.expired()):
+            if hit_stored is not None and (
+                not hit_ref.expired()
+                if hit_ref is not None
+                else hit_stored.payload.untyped_storage()._cdata == key[0]
+            ):
                 self._record_of[hit_stored.name]["uses"] += 1
                 return hit_stored
         stored = self._store(name, t, key[0], storage)

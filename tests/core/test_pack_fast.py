@@ -260,3 +260,20 @@ def test_a_saved_activation_modified_in_place_still_raises(min_bytes):
         m.saved.add_(1.0)  # kept by reference (lossless): the change must not go unnoticed
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+
+
+def test_a_kept_tensor_whose_storage_was_swapped_no_longer_answers_for_the_old_one():
+    ctl = compress_gnn(nn.Linear(8, 8), adaptive=False, bits=2, min_bytes=1 << 20)
+    try:
+        ctl._forward_id += 1
+        a = torch.randn(100, 8)
+        a.add_(0.0)  # version 1, as `c` below gets from its own ``set_``
+        held = ctl._pack(a)
+        # `c` views a's storage at the same offset, shape, stride, dtype and version
+        c = torch.empty(0).set_(a.untyped_storage(), 0, (100, 8), (8, 1))
+        assert c._version == a._version
+        a.set_(torch.zeros(100, 8))  # `held` now holds other memory
+        got = ctl._pack(c)
+        assert got is not held and torch.equal(ctl._unpack(got), c)
+    finally:
+        ctl.remove()
