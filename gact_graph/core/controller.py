@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import threading
 import warnings
 import weakref
@@ -26,18 +27,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
 from gact_graph.core.saved import (
     KINDS,
+    PARAM_COPY_NODES,
     StorageSet,
     is_autocast_param_copy,
     is_plain_strided,
     storage_ref,
     tensors_in,
     view_bytes,
-    view_key,
 )
 from gact_graph.kernels.bitpack import PackedMask
 from gact_graph.switches import package_work
@@ -45,6 +47,9 @@ from gact_graph.switches import package_work
 __all__ = ["Controller", "Stored", "mix_seed"]
 
 _MASK64 = (1 << 64) - 1
+
+#: tensor types whose storage the pack hook inspects (`core.saved.is_plain_strided`)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 #: On CUDA a float tensor smaller than this is kept as it is (the ``min_bytes`` option overrides
 #: it, on any device): quantizing it costs launches and Python in the pack and the unpack, a
@@ -468,7 +473,8 @@ class Controller:
         return bits
 
     def _next_name(self) -> str:
-        path = self._module_stack[-1] if self._module_stack else "<root>"
+        stack = getattr(self._tls, "modules", None)
+        path = stack[-1] if stack else "<root>"
         k = self._pack_counts.get(path, 0)
         self._pack_counts[path] = k + 1
         return f"{path}#{k}"
@@ -481,49 +487,96 @@ class Controller:
             self._record_of = {}
             self._live = []
         name = self._next_name()
-        if not is_plain_strided(t):
+        if type(t) not in _PLAIN_TYPES or t.layout != torch.strided or t.is_meta:
             stored = Stored(name, "other", t, None, view_bytes(t), view_bytes(t))
-            return self._remember(stored, t)
-        ref = storage_ref(t)
-        key = view_key(t, ref)
+            return self._remember(stored, t, weakref.ref(stored))
+        storage = t.untyped_storage()
+        # The dedup key is the view of the storage at its version (`core.saved.ViewKey`'s
+        # fields, as a plain tuple). The storage's address identifies it only while the storage
+        # lives: an entry whose `Stored` holds the tensor itself keeps the storage alive as long
+        # as the entry can hit, so it needs no weak reference; any other entry carries one and
+        # is dropped once the storage is freed (its address may then be reused). A held tensor
+        # whose storage was swapped in place (``set_``) no longer holds the keyed storage: the
+        # hit checks that it still does.
+        key = (storage._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None:
             hit_ref, hit_stored = hit[0], hit[1]()
-            if hit_stored is not None and not hit_ref.expired():
+            if hit_stored is not None and (
+                not hit_ref.expired()
+                if hit_ref is not None
+                else hit_stored.payload.untyped_storage()._cdata == key[0]
+            ):
                 self._record_of[hit_stored.name]["uses"] += 1
                 return hit_stored
-        stored = self._store(name, t, ref.cdata)
+        stored = self._store(name, t, key[0], storage)
         if self.payload_wrapper is not None:
             stored = self.payload_wrapper(stored)
-        self._dedup[key] = (ref, weakref.ref(stored))
-        return self._remember(stored, t)
+        alive = weakref.ref(stored)
+        ref = None if stored.payload is t else StorageWeakRef(storage)
+        self._dedup[key] = (ref, alive)
+        return self._remember(stored, t, alive)
 
-    def _remember(self, stored: Stored, t: torch.Tensor) -> Stored:
-        rec = stored.record(t.shape, t.dtype)
+    def _remember(self, stored: Stored, t: torch.Tensor, alive: weakref.ref) -> Stored:
+        # shape and dtype are kept as objects here and written out by `stats()`
+        rec = {
+            "name": stored.name,
+            "kind": stored.kind,
+            "shape": t.shape,
+            "dtype": t.dtype,
+            "bits": stored.bits,
+            "orig_bytes": stored.orig_bytes,
+            "stored_bytes": stored.stored_bytes,
+            "uses": 1,
+        }
         self._records.append(rec)
         self._record_of[stored.name] = rec
-        self._live.append(weakref.ref(stored))
+        self._live.append(alive)
         return stored
 
-    def _store(self, name: str, t: torch.Tensor, cdata: int) -> Stored:
-        nbytes = view_bytes(t)
-        if cdata in self._params or is_autocast_param_copy(t, self._params):
-            return Stored(name, "param", t, None, nbytes, 0, t._version)
+    def _store(
+        self, name: str, t: torch.Tensor, cdata: int, storage: torch.UntypedStorage | None = None
+    ) -> Stored:
+        """How ``t`` (a plain strided tensor whose storage is at address ``cdata``) is stored.
+        ``storage`` is its untyped storage when the caller has it at hand."""
+        if storage is None:
+            storage = t.untyped_storage()
+        nbytes = t.numel() * t.element_size()  # `core.saved.view_bytes`, inlined
+        nbytes = min(nbytes, storage.nbytes())
+        version = t._version
+        params = self._params
+        fn = t.grad_fn  # only a copy node or a view of one can be an autocast weight copy
+        if cdata in params or (
+            fn is not None
+            and type(fn).__name__ in PARAM_COPY_NODES
+            and is_autocast_param_copy(t, params)
+        ):
+            return Stored(name, "param", t, None, nbytes, 0, version)
         if cdata in self._inputs:
-            return Stored(name, "input", t, None, nbytes, 0, t._version)
+            return Stored(name, "input", t, None, nbytes, 0, version)
         lossless = self._lossless.get(cdata)
         if lossless is not None and not lossless[0].expired():
-            return Stored(name, lossless[1], t, None, nbytes, nbytes, t._version)
-        if t.dtype == torch.bool:
-            if self._too_small(t):  # packing costs a launch (forward) and more (backward)
-                return Stored(name, "mask", t, None, nbytes, nbytes, t._version)
+            return Stored(name, lossless[1], t, None, nbytes, nbytes, version)
+        dtype = t.dtype
+        # `_too_small`, inlined: the rule that keeps float and bool tensors as they are
+        small = False
+        if self.bits_policy is None:
+            limit = self.config.extra.get("min_bytes")
+            if limit is None:
+                limit = CUDA_MIN_BYTES if t.is_cuda else 0
+            small = t.numel() * t.element_size() < limit
+        if dtype == torch.bool:
+            if small:  # packing costs a launch (forward) and more (backward)
+                return Stored(name, "mask", t, None, nbytes, nbytes, version)
             packed: PackedMask = pack_bool_mask(t)
             return Stored(name, "mask", packed, None, nbytes, packed.nbytes)
-        if not t.is_floating_point():
-            return Stored(name, "index", t, None, nbytes, nbytes, t._version)
+        if not dtype.is_floating_point:
+            return Stored(name, "index", t, None, nbytes, nbytes, version)
+        if small:  # kept whatever the plan says (no plan look-up: it has no effect)
+            return Stored(name, "activation", t, None, nbytes, nbytes, version)
         bits = self.bits_for(name)
-        if bits is None or bits >= 32 or t.numel() < self.config.min_numel or self._too_small(t):
-            return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
+        if bits is None or bits >= 32 or t.numel() < self.config.min_numel:
+            return Stored(name, "activation", t, None, nbytes, nbytes, version)
         if exceeds_fp32_range(t):  # would come back NaN: keep it, and say so once
             if name not in self._warned_range:
                 self._warned_range.add(name)
@@ -532,7 +585,7 @@ class Controller:
                     "range; it is kept unquantized (the quantizer works in fp32)",
                     stacklevel=2,
                 )
-            return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
+            return Stored(name, "activation", t, None, nbytes, nbytes, version)
         seed = mix_seed(
             self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
         )
@@ -556,9 +609,8 @@ class Controller:
         that input, so it would be kept too, and the op runs as PyTorch's."""
         return self._too_small(t)
 
-    @staticmethod
-    def _unpack(stored: Stored) -> torch.Tensor:
-        return stored.unpack()
+    #: the unpack hook: ``stored.unpack()``, called from C without a Python frame of its own
+    _unpack = staticmethod(operator.methodcaller("unpack"))
 
     # ------------------------------------------------------------------ training loop API
     def iterate(self, step_fn: Callable[[], Any] | None = None) -> None:
@@ -590,7 +642,10 @@ class Controller:
         that reports one (``progress()``), ``re_estimation`` says whether a re-estimation spread
         over several steps is in progress and over how many.
         """
-        tensors = [dict(r) for r in self._records]
+        tensors = [
+            {**r, "shape": tuple(r["shape"]), "dtype": str(r["dtype"]).replace("torch.", "")}
+            for r in self._records
+        ]
         by_kind = {k: {"count": 0, "orig_bytes": 0, "stored_bytes": 0} for k in KINDS}
         for r in tensors:
             agg = by_kind[r["kind"]]

@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "KINDS",
+    "PARAM_COPY_NODES",
     "StorageSet",
     "ViewKey",
     "is_plain_strided",
@@ -131,6 +132,10 @@ _VIEW_NODES = frozenset(
     {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
      "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"}
 )  # fmt: skip
+
+
+#: autograd nodes where `is_autocast_param_copy` can answer True (a copy, or a view of one)
+PARAM_COPY_NODES = _VIEW_NODES | {"ToCopyBackward0"}
 
 
 def is_autocast_param_copy(t: torch.Tensor, params: StorageSet) -> bool:
