@@ -2,88 +2,30 @@
 to a step, counted, on several models, and far below the bound from shapes alone; a budget
 between the two now gets a probe step (and sensitivities) with every step within it."""
 
+import json
+import os
+import subprocess
 import sys
-import warnings
+from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-
-from gact_graph import compress_gnn
-from gact_graph.budget.profile import PeakBytes
-from gact_graph.models import build_model
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 MiB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _graph(n: int):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 16, generator=g)
-    ei = torch.randint(0, n, (2, 6 * n), generator=g)
-    return x, torch.cat([ei, ei.flip(0)], 1), torch.randint(0, 4, (n,), generator=g)
-
-
-def _model(name: str):
-    torch.manual_seed(0)
-    if name == "sage":
-        from torch_geometric.nn.models import GraphSAGE
-
-        return GraphSAGE(16, 64, 3, 4)
-    kw = {"hidden_channels": 64, "num_layers": 3, "dropout": 0.0}
-    if name == "gcn_bn":
-        return build_model("gcn", 16, 4, batch_norm=True, **kw)
-    if name == "gat":
-        return build_model("gat", 16, 4, heads=3, **kw)
-    if name == "gatv2":
-        return build_model("gatv2", 16, 4, heads=3, **{**kw, "hidden_channels": 32})
-    if name == "gcnii":
-        return build_model("gcnii", 16, 4, **{**kw, "num_layers": 4})
-    return build_model(name, 16, 4, **kw)
-
-
-def _step(model, ctl, graph, opt, table) -> int:
-    x, ei, y = graph
-    with PeakBytes(table) as counter:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x, ei), y).backward()
-        opt.step()
-        ctl.iterate()
-    return counter.peak
-
-
-def _probe_extra(name: str, n: int) -> int:
-    """What the probe adds to a step of ``compress_gnn(model, bits=2)``, counted: the probed
-    step less the same plan's step before it."""
-    model, graph = _model(name), _graph(n)
-    ctl = compress_gnn(model, bits=2)
-    adapter = ctl.adapter
-    adapter.next_estimate = sys.maxsize  # no probe until armed below
-    adapter.detach()
-    opt, table, peaks = torch.optim.Adam(model.parameters(), 1e-3), {}, []
-    for s in range(4):
-        if s == 3:
-            adapter.next_estimate = ctl.step
-            adapter.attach(ctl)
-            adapter.next_estimate = ctl.step + 1
-        peaks.append(_step(model, ctl, graph, opt, table))
-    assert adapter.n_estimates == 1
-    ctl.remove()
-    return peaks[3] - peaks[2]
-
-
-def _estimates(name: str, n: int) -> tuple[int, int]:
-    """The planner's bound after its profile step, and the bound from shapes alone."""
-    model, graph = _model(name), _graph(n)
-    ctl = compress_gnn(model, bits=2, memory_budget="4GiB")
-    planner = ctl.budget
-    _step(model, ctl, graph, torch.optim.Adam(model.parameters(), 1e-3), {})
-    need = next(iter(planner._profile_inputs.values())).probe_need
-    largest = max(t.orig_bytes for t in planner._records())
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    ctl.remove()
-    return need, planner.PROBE_ACTIVATIONS * largest + params
+#: runs in a fresh process (`benchmarks/budget_probe_cost.py`): what the probe adds and the two
+#: bounds, as JSON. Fresh: several GAT steps in the test process changed which plan later
+#: budget tests in it chose (their process-wide state), and each model's first step in a
+#: process creates process-wide objects of its own
+RUN = r"""
+import json, sys
+from benchmarks.budget_probe_cost import bounds, measured
+name, n = sys.argv[1], int(sys.argv[2])
+extra = measured(name, n)
+need, shapes = bounds(name, n)
+print(json.dumps([extra, need, shapes]))
+"""
 
 
 @pytest.mark.parametrize(
@@ -98,10 +40,14 @@ def test_the_probe_bound_covers_what_the_probe_adds(name, n, tight):
     below the bound from shapes. GCNII on 600 nodes: the sample's fixed cost, about the bound
     from shapes there (which was below what it added in some runs)."""
     pytest.importorskip("torch_geometric")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        extra = _probe_extra(name, n)
-        need, shapes = _estimates(name, n)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", RUN, name, str(n)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    extra, need, shapes = json.loads(done.stdout.strip().splitlines()[-1])
     assert extra <= need, (name, extra / MiB, need / MiB)
     if (name, n) != ("gcnii", 600):
         assert need < shapes, (name, need / MiB, shapes / MiB)
@@ -109,35 +55,66 @@ def test_the_probe_bound_covers_what_the_probe_adds(name, n, tight):
         assert need <= 3 * extra + 128 * 1024, (name, extra / MiB, need / MiB)
 
 
-def _counted_run(budget, steps: int):
-    model, graph = _model("gcn"), _graph(3000)
-    x, ei, _ = graph
+#: GCN 3 x 64 on 3,000 nodes (a fresh process, as above): fixed 1 bit's steps counted, then
+#: ``memory_budget=`` 1 MiB above its worst: every step counted, the planner's history and
+#: whether sensitivities are known, as JSON
+BUDGET_RUN = r"""
+import json, sys, warnings
+import torch
+import torch.nn.functional as F
+from benchmarks.budget_probe_cost import graph, make
+from gact_graph import compress_gnn
+from gact_graph.budget.profile import PeakBytes
+
+warnings.simplefilter("ignore")
+
+
+def run(steps, **kw):
+    model, (x, ei, y) = make("gcn"), graph(3000)
     static = sum(p.untyped_storage().nbytes() for p in model.parameters())
     static += sum(t.untyped_storage().nbytes() for t in (x, ei))
-    kw = {"memory_budget": budget} if budget is not None else {"bits": 1, "adaptive": False}
     ctl = compress_gnn(model, **kw)
-    opt, table = torch.optim.Adam(model.parameters(), 1e-3), {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peaks = [static + _step(model, ctl, graph, opt, table) for _ in range(steps)]
+    opt, table, peaks = torch.optim.Adam(model.parameters(), 1e-3), {}, []
+    for _ in range(steps):
+        with PeakBytes(table) as counter:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x, ei), y).backward()
+            opt.step()
+            ctl.iterate()
+        peaks.append(static + counter.peak)
     planner = getattr(ctl, "budget", None)
-    sens = dict(ctl.adapter.c) if getattr(ctl.adapter, "c", None) else {}
+    history = [] if planner is None else [
+        {k: h[k] for k in ("phase", "probe", "measured")} for h in planner.history
+    ]
+    sens = bool(getattr(ctl.adapter, "c", None))
     ctl.remove()
-    return peaks, planner, sens
+    return peaks, history, sens
 
 
-def test_a_budget_the_shape_bound_left_without_probe_now_probes_within_it(monkeypatch):
+fixed1, _, _ = run(3, bits=1, adaptive=False)
+budget = max(fixed1) + 2**20
+peaks, history, sens = run(5, memory_budget=budget)
+print(json.dumps({"budget": budget, "peaks": peaks, "history": history, "sens": sens}))
+"""
+
+
+def test_a_budget_the_shape_bound_left_without_probe_now_probes_within_it():
     """GCN 3 x 64 on 3,000 nodes: 1 MiB above fixed 1 bit's worst step is above fixed 1 bit
     plus what the probe adds, below fixed 1 bit plus the bound from shapes (4.4 MiB): a probe
     step runs, sensitivities are known, and every step is within the budget."""
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    fixed1, _, _ = _counted_run(None, 3)
-    budget = max(fixed1) + MiB
-    peaks, planner, sens = _counted_run(budget, 5)
-    assert any(h["probe"] for h in planner.history), planner.history
-    assert sens
-    for h, counted in zip(planner.history, peaks):
-        assert h["measured"] <= budget and counted <= budget, (peaks, planner.history, budget)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # the counted meter
+    done = subprocess.run(
+        [sys.executable, "-c", BUDGET_RUN],
+        env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    budget, history = out["budget"], out["history"]
+    assert any(h["probe"] for h in history), history
+    assert out["sens"]
+    for h, counted in zip(history, out["peaks"]):
+        assert h["measured"] <= budget and counted <= budget, out
 
 
 def test_a_size_class_probe_runs_only_in_a_batch_it_fits_scaled():
