@@ -44,12 +44,13 @@ backwards, the copies it keeps until its estimate) does not run in the profile s
 therefore holds what a fixed 1-bit step holds: a budget that fixed 1 bit meets in every step
 is admitted. The first plan is chosen without sensitivities; the probe then runs in one later
 planned step whose plan compresses a tensor and leaves room below the budget for the probe's
-estimate from shapes (`BudgetPlanner._probe_estimate`), and every exact-shape plan is chosen
-again with the sensitivities it measured. Where the plan in force leaves no such room, the
-probe step runs a tighter plan solved for the budget less the estimate, and the plan in force
-comes back after it; where none exists, no probe runs and the plan keeps the default width (or
-relaxes it, with a warning). The allocator's probes are paused otherwise
-(`BudgetPlanner._pause_probes`).
+estimate (`BudgetPlanner._probe_estimate`: on CPU a bound from what the profile step held
+where the probe would work, `gact_graph.budget.probe_cost`; elsewhere from shapes), and
+every exact-shape plan is chosen again with the sensitivities it measured. Where the plan in
+force leaves no such room, the probe step runs a tighter plan solved for the budget less the
+estimate, and the plan in force comes back after it; where none exists, no probe runs and
+the plan keeps the default width (or relaxes it, with a warning). The allocator's probes are
+paused otherwise (`BudgetPlanner._pause_probes`).
 
 **Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
 bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
@@ -93,7 +94,9 @@ reported with a warning.
 
 **Size classes.** Inputs that differ only in their sizes (mini-batches) share a plan while its
 prediction, scaled by how much the sizes exceed the profiled ones, fits; otherwise they
-profile a new class (at most `BudgetPlanner.MAX_CLASSES` per structure).
+profile a new class (at most `BudgetPlanner.MAX_CLASSES` per structure). A class's plan is
+probed like any other, in a batch where the plan and the probe's estimate, scaled to its
+sizes, fit the budget; the sensitivities serve the class.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
 from gact_graph.budget.measure import forward_lower_bound, profile_figures, segment_tensors
 from gact_graph.budget.planner import Unit, load_solver
+from gact_graph.budget.probe_cost import BackwardReads, probe_need
 from gact_graph.budget.profile import (
     CodecTimer,
     LiveBytes,
@@ -218,9 +222,14 @@ class BudgetPlanner:
         #: leaves room for it (`_arm_probe`); True until it has run (or cannot)
         self._probe_wanted = _defers_probe(ctl.adapter)
         self._probe_step: int | None = None  # the step the probe was armed for
-        self._probe_for: tuple | None = None  # and the inputs whose plan leaves it room
+        #: and the plan that leaves it room, with what was allowed for: (plan, bytes the
+        #: plan holds at the profiled sizes, the probe's estimate there)
+        self._probe_for: tuple[PlanState, int, int] | None = None
         #: the plan a probe step set aside for a tighter one, with the plan's state
         self._set_aside: tuple[PlanState, dict[str, Any]] | None = None
+        #: the profile step's backward reads (CPU), for the probe's bound (`_probe_estimate`)
+        self._reads: BackwardReads | None = None
+        self._reads_peak: int | None = None  # the profile step's peak those were read under
         self._reset_step()
         ctl.bits_policy = self.bits_for
         manager.listeners.append(self._on_segment)
@@ -229,13 +238,41 @@ class BudgetPlanner:
         ctl.add_handle(root.register_forward_hook(self._after_forward, always_call=True))
         ctl.add_step_hook(self._after_step)
         ctl.report_extra.append(self.report)
+        own = {k: ctl.__dict__[k] for k in ("_pack", "_unpack") if k in ctl.__dict__}
+        wrappers: dict[str, Any] = {}
         if self._probe_wanted:
             self._pause_probes()  # the first step profiles: no probe there (see above)
+            # the profile step's packs and backward reads, for the probe's bound (the
+            # controller enters its saved-tensor hooks at each forward: set before the first)
+            inner_pack, inner_unpack = ctl._pack, ctl._unpack
+
+            def pack(t):
+                stored = inner_pack(t)
+                reads = self._reads
+                if reads is not None and self._phase == "profile" and not is_lean():
+                    reads.packed(stored)
+                return stored
+
+            def unpack(stored):
+                reads = self._reads
+                if reads is not None and self._phase == "profile" and not is_lean():
+                    reads.read(stored)
+                return inner_unpack(stored)
+
+            wrappers = {"_pack": pack, "_unpack": unpack}
+            for k, fn in wrappers.items():
+                setattr(ctl, k, fn)
 
         def undo() -> None:
             self._end_live()
             if ctl.bits_policy == self.bits_for:
                 ctl.bits_policy = None
+            for k, fn in wrappers.items():
+                if ctl.__dict__.get(k) is fn:
+                    if k in own:
+                        setattr(ctl, k, own[k])
+                    else:
+                        ctl.__dict__.pop(k, None)
 
         ctl.add_undo(undo)
 
@@ -309,9 +346,10 @@ class BudgetPlanner:
         state, self._scale = self.plans.get(signature), 1.0
         if state is None:
             state, self._scale = self._size_class(signature)
-        if self._probe_step is not None and (state is None or signature != self._probe_for):
-            # armed for a planned step of other inputs (the plan with room for it); this one
-            # profiles or runs another plan: closed before it replays anything
+        if self._probe_step is not None and not self._probe_fits(state, self._scale):
+            # armed for a planned step of the plan with room for it; this one profiles, runs
+            # another plan, or is a batch of that plan's size class too large for the probe
+            # beside it: closed before it replays anything
             self._probe_step = None
             self._restore_plan()
             self._pause_probes()
@@ -350,6 +388,10 @@ class BudgetPlanner:
                 aside=is_lean, exclude=self._static_tensors(inputs), once=is_once_per_graph
             )
             self._live.__enter__()
+            params = list(self.ctl.model.parameters())
+            self._reads = BackwardReads(params, self._live) if self._probe_wanted else None
+        else:
+            self._reads = None
         if self._base is None and device.type != "cuda":
             self._base = self._meter.start - self._static  # what the process held before
 
@@ -586,6 +628,9 @@ class BudgetPlanner:
         stored = self._forward["stored"]
         accounted = self._rest() + stored + self._recomputed_peak
         if phase == "profile":
+            if self._reads is not None:
+                self._reads.close()
+                self._reads_peak = live.repeated_peak if live is not None else None
             fig = profile_figures(
                 live, self._meter, peak, measured, cuda=self._device.type == "cuda",
                 rest=self._rest(), base=self._base, static=self._static,
@@ -790,14 +835,27 @@ class BudgetPlanner:
 
     # ---------------------------------------------------------------- deferred probe
     def _probe_estimate(self, tensors: list[TensorInfo]) -> int:
-        """What the sensitivity probe adds to a step's peak, from shapes (it is not run
-        to measure it): its replays, the partial backwards that carry their noise to the
+        """What the sensitivity probe adds to a step's peak (it is not run to measure it).
+        CPU: bounded from what the profile step's backward read and held (`probe_need`:
+        per node that reads a compressed tensor, its replay or closed form on top of what
+        that node's backward held, against the step's peak). Elsewhere (no counted profile),
+        from shapes: its replays, the partial backwards that carry their noise to the
         parameters, and the dequantized copies and per-row counts it keeps until its
         estimate, allowed for as `PROBE_ACTIVATIONS` fp32 copies of the largest saved tensor,
         plus a copy of the parameters' gradients."""
         largest = max((t.orig_bytes for t in tensors), default=0)
         params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
-        return self.PROBE_ACTIVATIONS * largest + params
+        reads, peak = self._reads, self._reads_peak
+        if reads is None or peak is None:
+            return self.PROBE_ACTIVATIONS * largest + params
+        kept = 0
+        for t in tensors:
+            if not t.quantizable:
+                continue
+            kept += 64  # the two rounding factors' tensor
+            if len(t.shape) == 2:  # per-row (and per-group) non-zero counts
+                kept += 4 * t.shape[0] * max(1, -(-t.shape[1] // self.group_size))
+        return probe_need(reads, step_peak=peak, kept=kept, param_bytes=params)
 
     #: copies of the largest saved tensor the probe's estimate allows for (`_probe_estimate`;
     #: the measured ratios are in ``docs/design.md``)
@@ -809,17 +867,27 @@ class BudgetPlanner:
         budget (what it predicts, or what this step measured if more, plus the probe's
         estimate) and compresses a tensor (the probe measures compressed tensors only), or
         where a plan solved for the budget less the estimate does (the probe step runs that
-        one, `_restore_plan` puts the plan in force back). A plan shared by a size class is
-        not probed (the next batch's size is not known here)."""
-        src = self._profile_inputs.get(self._signature)
-        if src is None or self.plans.get(self._signature) is not state or self._scale != 1.0:
+        one, `_restore_plan` puts the plan in force back). A plan shared by a size class
+        (mini-batches) is armed for at its profiled sizes; the next batch runs the probe only
+        where the plan and the probe, scaled to its sizes, fit (`_probe_fits`)."""
+        src = self._profile_inputs.get(state.signature)
+        if src is None and state.scaled_from is not None:
+            # a plan solved from another batch's profile, scaled: the probe's estimate too
+            src = self._profile_inputs.get(state.scaled_from)
+            if src is not None:
+                src = src._replace(probe_need=math.ceil(src.probe_need * state.scaled_by))
+        if src is None or self.plans.get(state.signature) is not state:
             return
         if not any(o.mode == "compress" for o in state.plan.choice.values()):
             return  # the probe estimates compressed tensors only: none to learn of yet
-        held = max(state.predicted, judged or 0)
+        held = state.predicted
+        if judged is not None:  # this step's measurement, at the profiled sizes
+            held = max(held, state.rest + math.ceil((judged - state.rest) / self._scale))
         if held + src.probe_need > self.budget:
             # no room under this plan: the probe step runs a tighter one, solved for what the
             # budget leaves beside the probe's estimate, and the plan in force comes back after
+            if state.scaled_from is not None:
+                return  # its profile's figures are another shape's: none solved tighter here
             tighter = self._choose(state, src, self.budget - src.probe_need)
             if tighter is None or tighter.predicted + src.probe_need > self.budget:
                 return
@@ -827,12 +895,25 @@ class BudgetPlanner:
                 return
             self._set_aside = (state, {n: getattr(state, n) for n in self._PLAN_FIELDS})
             self._adopt(state, tighter)
+            held = tighter.predicted
         adapter = self.ctl.adapter
         adapter.next_estimate = self.ctl.step  # `attach` arms it for the coming step
         adapter.attach(self.ctl)
         adapter.next_estimate = self.ctl.step + 1
         self._probe_step = self.ctl.step + 1
-        self._probe_for = self._signature
+        self._probe_for = (state, held, src.probe_need)
+
+    def _probe_fits(self, state: PlanState | None, scale: float) -> bool:
+        """Whether the probe armed for the coming step may run on inputs whose plan is
+        ``state`` at ``scale`` times the profiled sizes: the plan it was armed for, and what
+        that plan holds plus the probe's estimate, both scaled by the sizes (per-tensor bytes,
+        what the backward holds and the probe's copies grow with the node and edge counts),
+        within the budget."""
+        armed = self._probe_for
+        if armed is None or state is None or state is not armed[0]:
+            return False
+        plan, held, need = armed
+        return plan.rest + math.ceil((held - plan.rest + need) * scale) <= self.budget
 
     def _after_probe(self) -> None:
         """The probed step ended (its estimate taken by the allocator at this
@@ -845,6 +926,14 @@ class BudgetPlanner:
         kept, self._profile_inputs = self._profile_inputs, {}  # needed no more
         if not self._sensitivities():
             return
+        # plans scaled from a profile are solved again from it, scaled, when a batch of their
+        # sizes next comes (`_size_class`), with the sensitivities
+        scaled = [st for st in self.plans.values() if st.scaled_from is not None]
+        for state in scaled:
+            self.plans = {k: v for k, v in self.plans.items() if v is not state}
+            for classes in self.size_classes.classes.values():
+                if state in classes:
+                    classes.remove(state)
         for signature, src in kept.items():
             state = self.plans.get(signature)
             if state is not None and state.signature == signature:

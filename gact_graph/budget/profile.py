@@ -206,10 +206,21 @@ class LiveBytes(TorchDispatchMode):
         self.repeated_peak = 0
         self.outside_peak = 0
         self._window: tuple[int, int] | None = None  # (bytes at its opening, its peak)
+        self._since = 0  # the most bytes live since `mark`
         # each time the outside bytes reached a new high: the serial of the newest storage
         # then and the bytes (`created_after_peak` adds what was created after each)
         self._high_serials = array.array("q")
         self._high_bytes = array.array("q")
+
+    def mark(self) -> int:
+        """Start a new `since_mark` at the bytes live now (returned)."""
+        self._sweep()
+        self._since = self.bytes
+        return self.bytes
+
+    def since_mark(self) -> int:
+        """The most bytes live since the last `mark`."""
+        return self._since
 
     def open_window(self) -> None:
         self._sweep()
@@ -277,6 +288,7 @@ class LiveBytes(TorchDispatchMode):
                     if aside:
                         self.aside_bytes += storage.nbytes()
         self.peak = max(self.peak, self.bytes)
+        self._since = max(self._since, self.bytes)
         if self._once is not None and self._once():
             return out
         self.repeated_peak = max(self.repeated_peak, self.bytes)

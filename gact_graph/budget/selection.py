@@ -122,9 +122,10 @@ def select_plan(
     is at least what a later step at the profile step's setting holds (measured, less a
     probe's tensors where one ran), that setting (refusing it would refuse a budget just
     met). Otherwise, where a recompute profile may follow, `Deferred`; else `BudgetError`,
-    naming the smallest budget one of these admits and a rerun meets in every step: a rerun at it runs this
-    profile step again (and the one before it, where this is a recompute profile), so it is
-    at least their own peaks. A warning points at the caller's caller (the step hook)."""
+    naming the smallest budget one of these admits and a rerun meets in every step: a rerun
+    at it runs this profile step again (and the one before it, where this is a recompute
+    profile), so it is at least their own peaks. A warning points at the caller's caller
+    (the step hook)."""
     rest = fig.rest
     profile_peak, correction, whole = fig.profile_peak, fig.correction, fig.whole
     transient = fig.transient_floor

@@ -47,6 +47,10 @@ class PlanState:
     #: included (what a rerun's profile step holds again; CUDA: ``profile_peak``; CPU: the
     #: larger of the counted peak and, where trusted, the resident set's)
     profile_whole: int | None = None
+    #: a plan solved from another shape's profile (`SizeClasses.rescaled`): that profile's
+    #: signature and the factor its sizes were scaled by
+    scaled_from: tuple | None = None
+    scaled_by: float = 1.0
 
     @property
     def predicted(self) -> int:
@@ -170,6 +174,8 @@ class SizeClasses:
             correction=correction,
             recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
             swap={n for n, o in plan.choice.items() if o.mode == "swap"},
+            scaled_from=state.scaled_from or state.signature,
+            scaled_by=state.scaled_by * scale,
         )
 
     def add(self, state: PlanState, limit: int) -> list[PlanState]:

@@ -346,22 +346,42 @@ def test_probes_stop_once_a_plan_is_in_force(least):
 
 def test_a_probe_armed_for_one_inputs_plan_is_closed_when_other_inputs_come(least):
     # armed after the first graph's profile step, for its next step, by that graph's plan's
-    # room; the next step brings another graph (planned through the size class, a plan the
-    # room was not checked for): the probe is closed before its forward (no replay, no
-    # estimate), and the first graph's next planned step arms it again
+    # room; the next step brings a graph that profiles (no size class taken for it here): the
+    # probe is closed before its forward (no replay, no estimate), and the first graph's
+    # next planned step arms it again
     model = _model()
     ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
-    small, other = _graph(600), _graph(800, seed=1)
+    small, other = _graph(600), _graph(500, seed=1)
     opt = _train(model, ctl, small, 1)
     planner = ctl.budget
     assert planner._probe_step == 1 and ctl.adapter._probe is not None
+    planner._size_class = lambda signature: (None, 1.0)  # a profile step for other inputs
     _train(model, ctl, other, 1, opt)
-    assert [h["phase"] for h in planner.history] == ["profile", "planned"]
+    assert [h["phase"] for h in planner.history] == ["profile", "profile"]
     assert not planner.history[1]["probe"] and ctl.adapter.n_estimates == 0
-    assert planner._probe_step is None and ctl.adapter._probe is None
+    del planner._size_class
     _train(model, ctl, small, 2, opt)
     assert [h["probe"] for h in planner.history[2:]] == [False, True]
     assert ctl.adapter.n_estimates == 1
+    assert all(h["measured"] <= planner.budget for h in planner.history)
+    ctl.remove()
+
+
+def test_a_probe_armed_for_a_size_class_runs_in_a_batch_of_it_that_it_fits(least):
+    # armed after the first graph's profile step by its plan's room at its sizes; the next
+    # step brings a smaller graph of the plan's size class: the probe runs there (the plan's
+    # prediction and the estimate, scaled to its sizes, fit: `_probe_fits`), within the
+    # budget, and the class's plan is chosen again with the sensitivities
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
+    small, other = _graph(600), _graph(500, seed=1)
+    opt = _train(model, ctl, small, 1)
+    planner = ctl.budget
+    assert planner._probe_step == 1
+    _train(model, ctl, other, 2, opt)
+    assert [h["phase"] for h in planner.history] == ["profile", "planned", "planned"]
+    assert [h["probe"] for h in planner.history] == [False, True, False]
+    assert ctl.adapter.n_estimates == 1 and ctl.adapter.c
     assert all(h["measured"] <= planner.budget for h in planner.history)
     ctl.remove()
 

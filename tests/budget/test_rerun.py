@@ -356,8 +356,13 @@ def test_the_probe_step_runs_a_tighter_plan_where_the_plan_in_force_leaves_no_ro
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed1, _ = _counted_steps(bits=1, adaptive=False)
     budget = int(max(fixed1) * 1.25)
-    # an estimate the first plan leaves no room for, and a 1-bit plan does
-    monkeypatch.setattr(BudgetPlanner, "PROBE_ACTIVATIONS", 12)
+    # an estimate the first plan leaves no room for, and a 1-bit plan does: twelve fp32
+    # copies of the largest saved tensor and the parameters
+    def estimate(self, tensors):
+        params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
+        return 12 * max(t.orig_bytes for t in tensors) + params
+
+    monkeypatch.setattr(BudgetPlanner, "_probe_estimate", estimate)
     arming, arm = [], BudgetPlanner._arm_probe
 
     def recording(self, state, judged):
@@ -382,7 +387,9 @@ def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
     step every step runs at its plan's bits (one plan for a size class: per-tensor bytes
     scale with the counts, so a plan admits a batch whose scaled prediction still fits), and
     the plans kept are bounded (once every batch was a 1-bit profile step with a plan of its
-    own, kept forever)."""
+    own, kept forever). The sensitivity probe runs once, in a batch whose plan and probe,
+    scaled to its sizes, fit the budget, and the class's plan is chosen again with its
+    sensitivities (once a plan shared by a size class never probed)."""
     from torch_geometric.data import Data
     from torch_geometric.loader import RandomNodeLoader
 
@@ -402,14 +409,16 @@ def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(batch.x, batch.edge_index), batch.y).backward()
                 opt.step()
-                ctl.iterate()
-                if planner.history[-1]["phase"] == "planned":
+                # the step's bits against the plan it ran (before ``iterate``, where the probe
+                # step's plan is chosen again with the sensitivities)
+                if planner._phase == "planned":
                     small = ctl.config.min_numel  # tensors below it are never quantized
                     records = [
                         r for r in ctl.stats()["tensors"]
                         if r["kind"] == "activation" and math.prod(r["shape"]) >= small
                     ]  # fmt: skip
                     at_plan.append(all(r["bits"] == planner.bits_for(r["name"]) for r in records))
+                ctl.iterate()
     phases = [h["phase"] for h in planner.history]
     assert len(sizes) > 4  # the sizes do change
     assert phases[0] == "profile" and phases[1:] == ["planned"] * 11, phases
@@ -418,4 +427,7 @@ def test_mini_batches_of_changing_size_share_a_plan_per_size_class(monkeypatch):
     assert labels - {"keep"}, labels  # compressed: the bits checked are the plan's own
     assert sum(len(c) for c in planner.classes.values()) <= planner.MAX_CLASSES
     assert all(h["measured"] <= planner.budget for h in planner.history)
+    probed = [h for h in planner.history if h["probe"]]
+    assert len(probed) == 1 and probed[0]["phase"] == "planned", planner.history
+    assert ctl.adapter.c and planner.plan_state.variance_cap is not None
     ctl.remove()

@@ -1,0 +1,175 @@
+"""What the adaptive allocator's sensitivity probe adds to a step's peak, bounded from what the
+profile step saw (CPU), so that the probe runs in a planned step only where it fits the budget.
+
+The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step holds without it:
+
+- **kept until its estimate**: per compressed 2-D tensor, the per-row non-zero counts the
+  closed form needs (`nonzero_counts`: at most a 4-byte count per row and group) and two
+  factors per tensor (`rounding_variance_factors`);
+- **in the forward, at each pack**: the temporaries of `rounding_variance_factors` on a sample
+  of at most `SAMPLES` elements (`SAMPLE_BYTES` per sampled element at most), added to what
+  the forward holds at that moment, at most its peak;
+- **in the backward, at a node that reads a compressed tensor**: nothing beyond a few row
+  vectors where the node is a matmul whose ``mat2`` is a parameter (the closed form,
+  `matmul_kind` exact); where ``mat2`` is computed from parameters (GAT's attention vector),
+  one ``mat2``-sized draw and a partial backward over parameter-sized tensors; elsewhere a
+  replay: the node's dequantized reads kept past the node (the noise is added in place, or to
+  a copy for a tensor kept in fp32: `READ_COPIES` per read), the replay's outputs (gradients
+  of the node's inputs, bounded by the largest read), and the per-parameter float64
+  accumulators (`ACC_COPIES` fp32 copies of the parameters). All of it on top of what the
+  user's backward holds while that node runs;
+- **the walk** that carries a replay's differences to the parameters, later in the backward:
+  the differences (one gradient the size of the largest read) and the accumulators, on top of
+  what a later node's backward holds while it runs (the walk runs a node's backward again,
+  no more than the user's backward of that node holds).
+
+`BackwardReads` records, in the profile step (every tensor at 1 bit, so every candidate is
+compressed), per autograd node that reads compressed tensors: the bytes live when it first
+reads one, how far the live bytes rose until the next node's first read (the node's own
+backward), and what it read. `probe_need` turns those into the bound against the profile
+step's own peak: a node's probe work counts only by how far it exceeds that peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from gact_graph.core.quantize import QTensor
+from gact_graph.policy.probe_estimates import matmul_kind
+from gact_graph.policy.rounding import CHUNK_ELEMS, MAX_CHUNKS
+
+__all__ = ["BackwardReads", "NodeReads", "forward_work", "probe_need", "SAMPLES", "SAMPLE_BYTES"]
+
+#: elements `rounding_variance_factors` samples per tensor (its default)
+SAMPLES = 16384
+#: bytes of temporaries per sampled element it holds at once at most (int64 indices, row,
+#: column and group ids, fp32 gathers and their products)
+SAMPLE_BYTES = 96
+#: fp32 copies of a read the replay may hold: the dequantized copy kept past the node, and for
+#: a tensor a plan keeps in fp32, the noisy clone and its 8-bit quantization
+READ_COPIES = 1.5
+#: fp32 copies of the parameters the probe's float64 accumulators hold at once (a sum and
+#: the addition's result)
+ACC_COPIES = 4
+
+
+@dataclass
+class NodeReads:
+    """One autograd node's reads of compressed tensors in the profile step's backward."""
+
+    live: int  # bytes live when it first read one
+    rise: int = 0  # how far the live bytes rose above ``live`` until the next node's read
+    replayed: list[int] = field(default_factory=list)  # bytes (fp32) of reads it replays
+    closed: int = 0  # bytes the closed forms hold (row vectors, mat2-sized draws)
+    partial: bool = False  # a closed form that carries a draw to parameters (not exact)
+
+
+class BackwardReads:
+    """Per node, what the profile step's backward read (see the module docstring); ``live``
+    is the profile step's `LiveBytes`. `read` is called from the controller's unpack."""
+
+    def __init__(self, params: list[torch.Tensor], live) -> None:
+        self._param_ids = {id(p) for p in params if p.requires_grad}
+        self._live = live
+        self.nodes: list[NodeReads] = []
+        self._node: object | None = None
+        #: the forward's packs: the most bytes live after a compressed tensor's pack plus
+        #: what the probe's work on it holds then (`forward_work`)
+        self.forward = 0
+
+    def packed(self, stored) -> None:
+        payload = getattr(stored, "payload", None)
+        if getattr(stored, "kind", None) == "activation" and isinstance(payload, QTensor):
+            numel = math.prod(payload.shape)
+            self.forward = max(self.forward, self._live.bytes + forward_work(numel))
+
+    def read(self, stored) -> None:
+        node = torch._C._current_autograd_node()
+        payload = getattr(stored, "payload", None)
+        what = getattr(stored, "kind", None)
+        if node is None or what != "activation" or not isinstance(payload, QTensor):
+            return
+        live = self._live
+        if node is not self._node:
+            self.close()
+            self._node = node
+            self.nodes.append(NodeReads(live.bytes))
+            live.mark()
+        rec = self.nodes[-1]
+        shape = tuple(payload.shape)
+        full = math.prod(shape) * 4
+        kind = _closed_form(node, shape, self._param_ids)
+        if kind is None:
+            rec.replayed.append(full)
+        elif kind[1]:  # exact: squared row norms and row variances, float32 and float64
+            rec.closed += 32 * shape[0] * max(1, payload.layout.groups_per_row)
+        else:  # a mat2-sized draw, row chunks of noise, carried to the parameters
+            rec.closed += 2 * _mat2_bytes(node, kind) + 8 * shape[-1] * 64
+            rec.partial = True
+
+    def close(self) -> None:
+        """End the current node's window (the next node reads, or the step ends)."""
+        if self._node is not None and self.nodes:
+            rec = self.nodes[-1]
+            rec.rise = max(0, self._live.since_mark() - rec.live)
+        self._node = None
+
+
+def _closed_form(node, shape: tuple[int, ...], param_ids: set[int]) -> tuple[int, bool] | None:
+    """What the probe's closed form makes of ``node`` reading a tensor of ``shape``
+    (`matmul_kind`, and the tensor is ``mat1``, unambiguously), or None: it is replayed."""
+    kind = matmul_kind(node, param_ids)
+    if kind is None or len(shape) != 2:
+        return None
+    try:
+        if kind[0] == 1:
+            mat1, mat2 = node._saved_self_sym_sizes, node._saved_mat2_sym_sizes
+        else:
+            mat1, mat2 = node._saved_mat1_sym_sizes, node._saved_mat2_sym_sizes
+    except AttributeError:
+        return None
+    mat1, mat2 = tuple(int(v) for v in mat1), tuple(int(v) for v in mat2)
+    if mat1 == mat2 or mat1 != shape:
+        return None
+    if not kind[1] and math.prod(mat2) > math.prod(mat1):
+        return None  # the probe replays it instead
+    return kind
+
+
+def _mat2_bytes(node, kind: tuple[int, bool]) -> int:
+    sizes = node._saved_mat2_sym_sizes
+    return 4 * math.prod(int(v) for v in sizes)
+
+
+def forward_work(numel: int) -> int:
+    """What the probe's work at the pack of a compressed tensor of ``numel`` elements holds at
+    once: the sample's temporaries, or the non-zero counts' row chunk (a mask, its padding)."""
+    sampled = SAMPLE_BYTES * min(SAMPLES, numel)
+    chunk = 2 * min(numel, max(CHUNK_ELEMS, -(-numel // MAX_CHUNKS)))
+    return max(sampled, chunk)
+
+
+def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: int) -> int:
+    """The probe's bound over the profile step's peak ``step_peak`` (see the module
+    docstring): ``kept`` (what it keeps until its estimate) plus the most by which its work
+    at a pack, at a read or in the walk exceeds ``step_peak``."""
+    acc = ACC_COPIES * param_bytes
+    over = reads.forward - step_peak
+    nodes = reads.nodes
+    # from each node on (the walk runs at a later node's pre-hook, the nodes below again):
+    # the most bytes live at a node's first read, and the most a node's backward rose
+    live_on, rise_on = [0] * (len(nodes) + 1), [0] * (len(nodes) + 1)
+    for i in range(len(nodes) - 1, -1, -1):
+        live_on[i] = max(live_on[i + 1], nodes[i].live)
+        rise_on[i] = max(rise_on[i + 1], nodes[i].rise)
+    for i, n in enumerate(nodes):
+        work = n.closed + (acc if n.partial else 0)
+        if n.replayed:
+            work += READ_COPIES * sum(n.replayed) + max(n.replayed) + acc
+            walk = live_on[i] + rise_on[i] + max(n.replayed) + acc
+            over = max(over, walk - step_peak)
+        over = max(over, n.live + n.rise + work - step_peak)
+    return int(kept + max(0, over))
