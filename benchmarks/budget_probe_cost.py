@@ -7,9 +7,15 @@ for the fourth; the probe's cost is the fourth step's counted peak (`PeakBytes`)
 third's (the same plan). Bound: the planner's, after its profile step on the same model and
 graph (``memory_budget="4GiB"``). CPU only (the bound from the profile step's counted reads).
 
+With ``--replays``: per model, the profile step's records of the nodes that read a compressed
+tensor in backward (`BackwardReads`: MiB live at the first read, the rise after it, the reads
+a replay dequantizes) and, in the probed step, what was live when each replay began and how
+far the live bytes rose during it (`LiveBytes` around the step): where the bound's slack lies.
+
 Usage::
 
     python benchmarks/budget_probe_cost.py gcn:3000 gat:3000 gcnii:600 gatv2:2000
+    python benchmarks/budget_probe_cost.py --replays gat:3000 gatv2:2000
 """
 
 from __future__ import annotations
@@ -95,6 +101,73 @@ def bounds(name: str, n: int) -> tuple[int, int]:
     return need, planner.PROBE_ACTIVATIONS * largest + params
 
 
+def profile_records(name: str, n: int) -> tuple[int, list]:
+    """The profile step's peak and its `BackwardReads` node records (``memory_budget``)."""
+    model, g = make(name), graph(n)
+    ctl = compress_gnn(model, bits=2, memory_budget="4GiB")
+    planner = ctl.budget
+    _step(model, ctl, g, torch.optim.Adam(model.parameters(), 1e-3), {})
+    peak, nodes = planner._reads_peak, list(planner._reads.nodes)
+    ctl.remove()
+    return peak, nodes
+
+
+def replay_rises(name: str, n: int) -> list[tuple[str, int, int]]:
+    """In the probed step of `measured`'s schedule: per replay, the node's name, the bytes
+    live when it began and how far they rose during it (its differences included)."""
+    from gact_graph.budget.profile import LiveBytes
+    from gact_graph.policy.sensitivity import SensitivityProbe
+
+    model, (x, ei, y) = make(name), graph(n)
+    ctl = compress_gnn(model, bits=2)
+    adapter = ctl.adapter
+    adapter.next_estimate = sys.maxsize
+    adapter.detach()
+    opt, out, live = torch.optim.Adam(model.parameters(), 1e-3), [], None
+    probe = SensitivityProbe._probe
+
+    def spy(self, node, *args, **kw):
+        live._sweep()
+        start = live.mark()
+        try:
+            return probe(self, node, *args, **kw)
+        finally:
+            out.append((type(node).__name__, start, live.since_mark() - start))
+
+    SensitivityProbe._probe = spy
+    try:
+        for s in range(4):
+            if s == 3:
+                adapter.next_estimate = ctl.step
+                adapter.attach(ctl)
+                adapter.next_estimate = ctl.step + 1
+            out.clear()
+            with LiveBytes() as live:
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x, ei), y).backward()
+                opt.step()
+                ctl.iterate()
+    finally:
+        SensitivityProbe._probe = probe
+        ctl.remove()
+    return out
+
+
+def replays(specs: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    for spec in specs:
+        name, n = spec.split(":")
+        peak, nodes = profile_records(name, int(n))
+        print(f"{name} {n}: profile step peak {peak / MiB:.3f} MiB (1 bit); nodes reading "
+              "a compressed tensor in backward, MiB:")  # fmt: skip
+        for rec in nodes:
+            reads = ", ".join(f"{r / MiB:.3f}" for r in rec.replayed) or "-"
+            print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f}  replays {reads}")
+        print("  probed step (2 bits), per replay: live when it began, rise during it, MiB:")
+        for node, start, rise in replay_rises(name, int(n)):
+            print(f"  {node:32s} {start / MiB:7.3f} {rise / MiB:7.3f}", flush=True)
+
+
 def main(specs: list[str]) -> None:
     warnings.simplefilter("ignore")
     print("model    nodes | probe adds MiB | bound MiB (x) | from shapes MiB (x)")
@@ -111,5 +184,8 @@ def main(specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--replays"]:
+        replays(sys.argv[2:] or ["gat:3000", "gatv2:2000"])
+        sys.exit()
     main(sys.argv[1:] or ["gcn:3000", "gcn_bn:3000", "sage:3000", "gcnii:600", "gcnii:1500",
                           "gat:1500", "gat:3000", "gatv2:2000"])  # fmt: skip
