@@ -9,7 +9,8 @@ graph (``memory_budget="4GiB"``). CPU only (the bound from the profile step's co
 
 With ``--replays``: per model, the profile step's records of the nodes that read a compressed
 tensor in backward (`BackwardReads`: MiB live at the first read, the rise after it, the reads
-a replay dequantizes) and, in the probed step, what was live when each replay began and how
+a replay dequantizes, the bound its Function states of its lean backward where it states one)
+and, in the probed step, what was live when each replay began and how
 far the live bytes rose during it (`LiveBytes` around the step): where the bound's slack lies.
 
 Usage::
@@ -162,7 +163,9 @@ def replays(specs: list[str]) -> None:
               "a compressed tensor in backward, MiB:")  # fmt: skip
         for rec in nodes:
             reads = ", ".join(f"{r / MiB:.3f}" for r in rec.replayed) or "-"
-            print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f}  replays {reads}")
+            lean = "-" if rec.lean is None else f"{rec.lean / MiB:.3f}"
+            print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f}  stated lean "
+                  f"{lean}  replays {reads}")  # fmt: skip
         print("  probed step (2 bits), per replay: live when it began, rise during it, MiB:")
         for node, start, rise in replay_rises(name, int(n)):
             print(f"  {node:32s} {start / MiB:7.3f} {rise / MiB:7.3f}", flush=True)

@@ -17,11 +17,16 @@ The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step hol
   a copy for a tensor kept in fp32: `READ_COPIES` per read), the replay's outputs (gradients
   of the node's inputs, bounded by the largest read), and the per-parameter float64
   accumulators (`ACC_COPIES` fp32 copies of the parameters). All of it on top of what the
-  user's backward holds while that node runs;
+  user's backward holds while that node runs, and of the replay's own run of the node's
+  backward (under `lean_backward`): the node's rise in the profile step, or, where its
+  Function states a bound of that lean backward from its shapes (``lean_backward_bytes``,
+  e.g. `gact_graph.sparse.gat.GatAttentionFunction`) and the bound is less, the bound;
 - **the walk** that carries a replay's differences to the parameters, later in the backward:
   the differences (one gradient the size of the largest read) and the accumulators, on top of
   what a later node's backward holds while it runs (the walk runs a node's backward again,
-  no more than the user's backward of that node holds).
+  no more than the user's backward of that node holds; its profiled rise, not a stated lean
+  bound: the walk's node dequantizes its compressed inputs inside its backward, which the
+  stated bound leaves out).
 
 `BackwardReads` records, in the profile step (every tensor at 1 bit, so every candidate is
 compressed), per autograd node that reads compressed tensors: the bytes live when it first
@@ -39,7 +44,7 @@ import torch
 
 from gact_graph.core.quantize import QTensor
 from gact_graph.policy.probe_estimates import matmul_kind
-from gact_graph.policy.rounding import CHUNK_ELEMS, MAX_CHUNKS
+from gact_graph.policy.rounding import CHUNK_ELEMS, MAX_CHUNKS, chunk_elems
 
 __all__ = ["BackwardReads", "NodeReads", "forward_work", "probe_need", "SAMPLES", "SAMPLE_BYTES"]
 
@@ -54,6 +59,14 @@ READ_COPIES = 1.5
 #: fp32 copies of the parameters the probe's float64 accumulators hold at once (a sum and
 #: the addition's result)
 ACC_COPIES = 4
+#: `noise_work`: bytes per element of a noise chunk (int8 sign 1, its fp32 copy 4, fp32
+#: scale 4, non-zero mask 1, a dtype copy of the noise 4), per row of it (int64 row index,
+#: its group index, the gathered fp32 step and its copy), per group (fp32 range and step,
+#: their finiteness masks, the masked copies, the scaled step), and per element of a block of
+#: the reference quantizer (its temporaries, about 13 bytes an element, with room)
+NOISE_BYTES, NOISE_ROW_BYTES, NOISE_GROUP_BYTES, QUANTIZE_BYTES = 14, 24, 48, 16
+#: elements of the reference quantizer's block (`gact_graph.kernels.quantize.CHUNK_ELEMS`)
+QUANTIZE_BLOCK = 1 << 18
 
 
 @dataclass
@@ -65,6 +78,18 @@ class NodeReads:
     replayed: list[int] = field(default_factory=list)  # bytes (fp32) of reads it replays
     closed: int = 0  # bytes the closed forms hold (row vectors, mat2-sized draws)
     partial: bool = False  # a closed form that carries a draw to parameters (not exact)
+    lean: int | None = None  # what its Function states its lean backward holds at most
+    noise: int = 0  # what making a replay's noisy copy holds at most (`noise_work`)
+
+    def replay_rise(self) -> int:
+        """What the replay rises by at most besides its copies and outputs: the profiled
+        rise, or, for a node of one compressed read (the replay hands it its own copy, so
+        its backward dequantizes nothing) whose Function states a bound of its backward
+        under `lean_backward`, that bound or the noisy copy's making (before the backward
+        runs) where either is more, if that is less."""
+        if self.lean is None or len(self.replayed) != 1:
+            return self.rise
+        return min(self.rise, max(self.lean, self.noise))
 
 
 class BackwardReads:
@@ -96,7 +121,7 @@ class BackwardReads:
         if node is not self._node:
             self.close()
             self._node = node
-            self.nodes.append(NodeReads(live.bytes))
+            self.nodes.append(NodeReads(live.bytes, lean=_stated_lean_bytes(node)))
             live.mark()
         rec = self.nodes[-1]
         shape = tuple(payload.shape)
@@ -104,6 +129,7 @@ class BackwardReads:
         kind = _closed_form(node, shape, self._param_ids)
         if kind is None:
             rec.replayed.append(full)
+            rec.noise = max(rec.noise, noise_work(payload))
         elif kind[1]:  # exact: squared row norms and row variances, float32 and float64
             rec.closed += 32 * shape[0] * max(1, payload.layout.groups_per_row)
         else:  # a mat2-sized draw, row chunks of noise, carried to the parameters
@@ -116,6 +142,14 @@ class BackwardReads:
             rec = self.nodes[-1]
             rec.rise = max(0, self._live.since_mark() - rec.live)
         self._node = None
+
+
+def _stated_lean_bytes(node) -> int | None:
+    """The bound a custom autograd Function's node states of its backward under
+    `lean_backward` (a ``lean_backward_bytes(ctx)`` static method, e.g.
+    `gact_graph.sparse.gat.GatAttentionFunction`), or None."""
+    stated = getattr(getattr(node, "_forward_cls", None), "lean_backward_bytes", None)
+    return None if stated is None else int(stated(node))
 
 
 def _closed_form(node, shape: tuple[int, ...], param_ids: set[int]) -> tuple[int, bool] | None:
@@ -142,6 +176,25 @@ def _closed_form(node, shape: tuple[int, ...], param_ids: set[int]) -> tuple[int
 def _mat2_bytes(node, kind: tuple[int, bool]) -> int:
     sizes = node._saved_mat2_sym_sizes
     return 4 * math.prod(int(v) for v in sizes)
+
+
+def noise_work(q: QTensor) -> int:
+    """What the replay's noisy copy of a read quantized as ``q`` holds at once while it is
+    made, before the node's backward runs: `add_rounding_noise_` per row chunk (`row_ranges`
+    of `chunk_elems`) an int8 sign, its fp32 copy, the fp32 per-element scale, the non-zero
+    mask and a dtype copy (`NOISE_BYTES` an element), the chunk's row indices and their
+    gathered steps (`NOISE_ROW_BYTES` a row) and per group its range, finiteness masks and
+    step (`NOISE_GROUP_BYTES`); for a tensor the plan keeps in fp32, its 8-bit quantization
+    (`QUANTIZE_BYTES` per element of a reference block, `gact_graph.kernels.quantize`) and
+    the variance factor's sample (`SAMPLE_BYTES` per sampled element), one after another."""
+    lay = q.layout
+    numel = math.prod(q.shape)
+    cols = max(1, lay.cols)
+    chunk = min(numel, max(chunk_elems(numel), lay.rows_per_group * cols))
+    noise = NOISE_BYTES * chunk + NOISE_ROW_BYTES * (chunk // cols + 1)
+    noise += NOISE_GROUP_BYTES * lay.num_groups
+    eight = QUANTIZE_BYTES * min(numel, QUANTIZE_BLOCK)
+    return max(noise, eight, SAMPLE_BYTES * min(SAMPLES, numel))
 
 
 def forward_work(numel: int) -> int:
@@ -171,5 +224,5 @@ def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: 
             work += READ_COPIES * sum(n.replayed) + max(n.replayed) + acc
             walk = live_on[i] + rise_on[i] + max(n.replayed) + acc
             over = max(over, walk - step_peak)
-        over = max(over, n.live + n.rise + work - step_peak)
+        over = max(over, n.live + n.replay_rise() + work - step_peak)
     return int(kept + max(0, over))

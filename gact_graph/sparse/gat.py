@@ -435,6 +435,95 @@ def _aggregate_backward(features: list, grad_out, coefficients, mask, p: float, 
     return grad_x, grad_alpha, dot
 
 
+def _item(dtype: torch.dtype) -> int:
+    return dtype.itemsize  # no tensor: it runs inside a counted backward
+
+
+def _lean_gat_backward_bytes(
+    num_src: int,
+    num_dst: int,
+    num_edges: int,
+    heads: int,
+    channels: int,
+    x_dtype: torch.dtype,
+    src_dtype: torch.dtype,
+    dst_dtype: torch.dtype | None,
+    p: float,
+    permuted: bool,
+    chunk_bytes: int,
+    need_x: bool,
+    need_src: bool,
+    need_dst: bool,
+) -> int:
+    """Upper bound of the bytes `GatAttentionFunction.backward` under `lean_backward` creates
+    and holds at once (tensors it allocates, its outputs included; not its inputs), read off
+    its code: the most over its phases of what each phase can hold, every tensor a loop
+    iteration allocates counted as alive together. Per wide chunk of ``w`` edges (``H`` heads,
+    ``a`` bytes per accumulated element, ``o`` per output element):
+
+    - always: ``m`` and ``total`` (N_dst x H), the destinations of the chunk and of the one
+      before it while the next is made (two int64 ``w``-vectors), the marks of its rows (two
+      int64 vectors of at most N_dst + 1), the chunk starts' tensors (three of two int64 per
+      wide chunk); the coefficients of a chunk (`_chunk_alpha`: the gathered node logits,
+      their accumulator copies where the dtype differs, the leaky ReLU's output, the gathered
+      max and sum: ``T``);
+    - the dropout draw (before the passes): its ``o``-sized noise, the bool mask, the permuted
+      mask; later the bool mask alone;
+    - the coefficients' pass (when the logits need a gradient; under `lean_backward` apart
+      from the features' pass): ``grad alpha`` (E x H) and ``dot``; per chunk alpha, the
+      dropout multiplier, ``alpha * grad alpha``, and the two chunk x H x C gathers (incoming
+      gradient and features) with their accumulator copies;
+    - the features' pass (when ``x_src`` needs one): ``grad x_src`` (N_src x H x C), and per
+      chunk alpha, the multiplier, their product, and the incoming gradient's gather;
+    - the logits' pass: both logit gradients, and per chunk alpha, the logits, ``dot``
+      gathered, the logits' gradient, the leaky ReLU's slope and its bool mask;
+    - at the end the outputs' copies in their input dtypes where they differ from ``a``.
+
+    Zero-dimensional tensors (the multiplier of ``p == 1``) are covered by a fixed 1 KiB."""
+    out_dtype = torch.promote_types(x_dtype, src_dtype)
+    acc = _acc_dtype(out_dtype)
+    a, o, xi, si = _item(acc), _item(out_dtype), _item(x_dtype), _item(src_dtype)
+    di = 0 if dst_dtype is None else _item(dst_dtype)
+    need_logits = need_src or need_dst
+    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, chunk_bytes, num_src)
+    wide = max(1, chunk * channels)
+    w = min(wide, num_edges)
+    c = min(chunk, w)
+    n_wide = -(-num_edges // wide)
+    h, hc = heads, heads * channels
+
+    def copy(dtype: torch.dtype | None) -> int:  # an accumulator copy's bytes, if one is made
+        return a if dtype is not None and dtype != acc else 0
+
+    stats = 2 * num_dst * h * a
+    index = 16 * w + 16 * (num_dst + 1) + 48 * n_wide
+    alpha_t = w * h * (si + copy(src_dtype) + di + copy(dst_dtype) + 3 * a)
+    drawn = 0.0 < p < 1.0 and num_edges * h > 0
+    mask = num_edges * h if drawn else 0
+    phases = [stats + index + alpha_t]
+    if drawn:
+        phases.append(stats + num_edges * h * (o + 1 + int(permuted)))
+    g_alpha = (num_edges * h + num_dst * h) * a if need_logits else 0
+    g_x = num_src * hc * a if need_x else 0
+    g_logits = (num_src * h if need_src else 0) * a + (num_dst * h if need_dst else 0) * a
+    grad_gather = c * hc * (o + copy(out_dtype))
+    if need_logits:
+        it = w * h * (2 * a + o) + grad_gather + c * hc * (xi + copy(x_dtype))
+        phases.append(stats + mask + g_alpha + index + max(alpha_t, it))
+        it = 4 * w * h * a + w * h
+        phases.append(stats + mask + g_alpha + g_x + g_logits + index + max(alpha_t, it))
+    if need_x:
+        it = w * h * (a + o + max(a, o)) + grad_gather
+        phases.append(stats + mask + g_alpha + g_x + index + max(alpha_t, it))
+    ends = (
+        (num_src * hc * xi if need_x and x_dtype != acc else 0)
+        + (num_src * h * si if need_src and src_dtype != acc else 0)
+        + (num_dst * h * di if need_dst and dst_dtype != acc else 0)
+    )
+    phases.append(stats + g_alpha + g_x + g_logits + ends)
+    return max(phases) + 1024
+
+
 class GatAttentionFunction(torch.autograd.Function):
     """The edge stage of `GATConv` on a destination-sorted CSR.
 
@@ -478,7 +567,28 @@ class GatAttentionFunction(torch.autograd.Function):
         ctx.negative_slope = slope
         ctx.dropout = float(dropout)
         ctx.chunk_bytes = int(chunk_bytes)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked)
+        ctx.shapes = (
+            x_src.shape[0], num_dst, num_edges, heads, x_src.shape[2], x_src.dtype,
+            a_src.dtype, None if a_dst is None else a_dst.dtype, perm is not None,
+        )  # fmt: skip
         return out.to(out_dtype)
+
+    @staticmethod
+    def lean_backward_bytes(ctx) -> int:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its outputs included, its saved inputs and ``grad_out`` not), from the shapes
+        the forward recorded: what the memory-budget planner counts for the sensitivity probe's
+        replay of this node (`gact_graph.budget.probe_cost`). `_lean_gat_backward_bytes`
+        derives it from the code of `backward`."""
+        num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype, permuted = (
+            ctx.shapes
+        )
+        need_x, need_src, need_dst = ctx.needs_input_grad[:3]
+        return _lean_gat_backward_bytes(
+            num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype,
+            ctx.dropout, permuted, ctx.chunk_bytes, need_x, need_src, need_dst,
+        )  # fmt: skip
 
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")

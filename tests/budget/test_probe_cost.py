@@ -134,3 +134,96 @@ def test_a_size_class_probe_runs_only_in_a_batch_it_fits_scaled():
     assert not fits(planner, other, 1.0) and not fits(planner, None, 1.0)
     planner._probe_for = None
     assert not fits(planner, plan, 1.0)
+
+
+def _csr(n, e, seed):
+    """A destination-sorted CSR on ``n`` nodes: the last three with no edge, one node with a
+    quarter of the edges (its row spans several edge chunks)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n - 3, (e,), generator=g)
+    dst = torch.randint(0, n - 3, (e,), generator=g)
+    dst[: e // 4] = 1
+    dst, order = dst.sort(stable=True)
+    rowptr = torch.zeros(n + 1, dtype=torch.long)
+    rowptr[1:] = torch.bincount(dst, minlength=n).cumsum(0)
+    return rowptr, src[order]
+
+
+@pytest.mark.parametrize("heads,channels", [(1, 5), (3, 32)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("chunk_bytes", [64 * 2**20, 64 * 1024])
+@pytest.mark.parametrize("needs", ["all", "features", "logits"])
+def test_gat_lean_backward_stays_within_its_stated_bound(heads, channels, dropout, chunk_bytes,
+                                                         needs):  # fmt: skip
+    """`GatAttentionFunction.lean_backward_bytes`: the backward the probe's replay runs (the
+    node applied under `lean_backward`, its saved features handed back dequantized from
+    2 bits as the replay hands its copy) never holds more, counted, than the node states;
+    and the bound is one that matters, within 2x of what it held."""
+    import torch
+
+    from gact_graph.budget.profile import LiveBytes
+    from gact_graph.core.quantize import quantize
+    from gact_graph.sparse import gat as sgat
+    from gact_graph.switches import lean_backward
+
+    torch.manual_seed(0)
+    n, e = 600, 5000
+    rowptr, col = _csr(n, e, 1)
+    x = torch.randn(n, heads, channels, requires_grad=needs in ("all", "features"))
+    a_src = torch.randn(n, heads, requires_grad=needs in ("all", "logits"))
+    a_dst = torch.randn(n, heads, requires_grad=needs in ("all", "logits"))
+    copies = {}
+
+    def pack(t):
+        if t.is_floating_point() and t.dim() == 3:
+            q = quantize(t.detach().reshape(-1, channels), 2, seed=3)
+            copies[id(q)] = q.dequantize().view(t.shape)  # made before the replay, as its copy
+            return q
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda p: copies.get(id(p), p))
+    # counted from before the forward, as in a step: the handed-back copy is already counted
+    # when the backward reads it (the meter counts a view of a storage it has not seen)
+    with LiveBytes() as live:
+        with hooks:
+            out = sgat.gat_attention(x, a_src, a_dst, rowptr, col, 0.2, dropout,
+                                     torch.randperm(e), chunk_bytes)  # fmt: skip
+        node, grad_out = out.grad_fn, torch.randn_like(out)
+        stated = node._forward_cls.lean_backward_bytes(node)
+        start = live.mark()
+        with lean_backward(), torch.no_grad():
+            grads = node.apply(grad_out)
+        rise = live.since_mark() - start
+    assert grads[0] is not None or needs == "logits"
+    assert rise <= stated, (rise, stated)
+    assert stated <= 2 * rise, (rise, stated)
+
+
+def test_the_replay_term_counts_the_stated_bound_where_it_is_less():
+    """`probe_need`: a node whose Function states a lean bound below its profiled rise is
+    counted at that bound in its replay; one that states none, at its profiled rise."""
+    from gact_graph.budget.probe_cost import BackwardReads, NodeReads, probe_need
+
+    def need(lean, replayed=(10,), noise=0):
+        reads = BackwardReads([], live=None)
+        node = NodeReads(100, rise=1000, replayed=list(replayed), lean=lean, noise=noise)
+        reads.nodes = [node]
+        return probe_need(reads, step_peak=0, kept=0, param_bytes=0), node.replay_rise()
+
+    assert need(None) == (1125, 1000)  # the replay: 100 + 1000 + 1.5 * 10 + 10
+    assert need(5000) == (1125, 1000)  # a stated bound above the profiled rise: no change
+    # the replay at 100 + 400 + 25; the walk's term (profiled rises: it reads the node's
+    # inputs inside the node, which the stated bound leaves out) 100 + 1000 + 10 then sets it
+    assert need(400) == (1110, 400)
+    assert need(400, noise=700) == (1110, 700)  # making the noisy copy holds more
+    # two reads: a replay dequantizes the other inside the node, which no stated bound holds
+    assert need(400, replayed=(10, 10))[1] == 1000
+
+
+def test_the_quantizer_block_is_the_one_noise_work_counts():
+    from gact_graph.budget import probe_cost
+    from gact_graph.kernels import quantize as kq
+
+    assert probe_cost.QUANTIZE_BLOCK == kq.CHUNK_ELEMS
