@@ -101,6 +101,9 @@ class BackwardReads:
         self._live = live
         self.nodes: list[NodeReads] = []
         self._node: object | None = None
+        #: nodes that read a stored tensor whose unpack allocates besides their compressed
+        #: reads: a replay of theirs does that inside the node, so no stated bound is used
+        self._unpacking: set[int] = set()
         #: the forward's packs: the most bytes live after a compressed tensor's pack plus
         #: what the probe's work on it holds then (`forward_work`)
         self.forward = 0
@@ -115,13 +118,20 @@ class BackwardReads:
         node = torch._C._current_autograd_node()
         payload = getattr(stored, "payload", None)
         what = getattr(stored, "kind", None)
-        if node is None or what != "activation" or not isinstance(payload, QTensor):
+        if node is None:
+            return
+        if what != "activation" or not isinstance(payload, QTensor):
+            if not isinstance(payload, torch.Tensor):  # its unpack makes a tensor (a swap)
+                self._unpacking.add(id(node))
+                if node is self._node and self.nodes:
+                    self.nodes[-1].lean = None
             return
         live = self._live
         if node is not self._node:
             self.close()
             self._node = node
-            self.nodes.append(NodeReads(live.bytes, lean=_stated_lean_bytes(node)))
+            lean = None if id(node) in self._unpacking else _stated_lean_bytes(node)
+            self.nodes.append(NodeReads(live.bytes, lean=lean))
             live.mark()
         rec = self.nodes[-1]
         shape = tuple(payload.shape)
