@@ -9,8 +9,6 @@ The kernels run in Triton's CPU interpreter here (``test_interpreter_in_subproce
 the file with ``TRITON_INTERPRET=1``), so the graphs are tiny.
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from gact_graph.kernels import gat_edge as ge
 from gact_graph.sparse import gat as sgat
 from tests.kernels.interpreted import DEVICE, HAS_TRITON, INTERPRETED, kernel_test, run_interpreted
 from tests.sparse.allocations import LargeAllocations
+from tests.sparse.quantized_saves import dequantized, saved_as
 
 
 @pytest.fixture(autouse=True)
@@ -40,29 +39,9 @@ def _graph(n, e, seed):
     return rowptr.to(DEVICE), src[order].to(torch.int32).to(DEVICE)
 
 
-@contextlib.contextmanager
 def _saved_as(mode, bits, shape):
-    """Saved-tensor hooks that quantize every saved (N * H) x C feature matrix (``shape``)
-    and hand it back dequantized whole (``"dense"``) or as a `RowChunked` (``"rows"``)."""
-    packed = []
-
-    def pack(t):
-        if t.is_floating_point() and tuple(t.shape) == shape:
-            packed.append(t.shape)
-            return quantize(t.detach(), bits, seed=11)
-        return t
-
-    def unpack(p):
-        if not isinstance(p, torch.Tensor):
-            return RowChunked(p) if mode == "rows" else p.dequantize()
-        return p
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield packed
-
-
-def _dequantized(t, bits):
-    return quantize(t.detach().reshape(-1, t.shape[-1]), bits, seed=11).dequantize().view(t.shape)
+    """`saved_as` on every saved (N * H) x C feature matrix (``shape``)."""
+    return saved_as(mode, bits, lambda t: tuple(t.shape) == shape)
 
 
 def _inputs(n, heads, channels, dtype, seed=5):
@@ -97,7 +76,7 @@ def test_gat_fused_backward_reads_the_codes(heads, channels, dtype, dropout, bit
     # the reference at the dequantized features (the forward's softmax: the logits are exact)
     torch.manual_seed(7)
     keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), heads, dropout)
-    at = [t.detach().float().requires_grad_() for t in (_dequantized(x, bits), a_src, a_dst)]
+    at = [t.detach().float().requires_grad_() for t in (dequantized(x, bits), a_src, a_dst)]
     ref = ge.gat_edge_reference(*at, rowptr, col, 0.2, dropout, keep if dropout else None)
     ref_grads = torch.autograd.grad((ref * w).sum(), at)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -135,8 +114,8 @@ def test_gatv2_fused_backward_reads_the_codes(heads, channels, dtype, dropout, b
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     torch.manual_seed(7)
     keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), heads, dropout)
-    xl_hat = _dequantized(x_l, bits).float().requires_grad_()
-    xr_hat = xl_hat if shared else _dequantized(x_r, bits).float().requires_grad_()
+    xl_hat = dequantized(x_l, bits).float().requires_grad_()
+    xr_hat = xl_hat if shared else dequantized(x_r, bits).float().requires_grad_()
     at_att = att.clone().requires_grad_()
     at = (xl_hat, at_att) if shared else (xl_hat, xr_hat, at_att)
     ref = ge.gatv2_edge_reference(xl_hat, xr_hat, at_att, rowptr, col, 0.2, dropout,

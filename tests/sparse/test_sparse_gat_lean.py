@@ -14,6 +14,7 @@ from gact_graph.core.quantize import quantize
 from gact_graph.sparse import gat as sgat
 from gact_graph.switches import lean_backward
 from tests.sparse.allocations import LargeAllocations
+from tests.sparse.quantized_saves import dequantized, saved_as
 
 
 def _graph(n, e, seed):
@@ -29,28 +30,10 @@ def _graph(n, e, seed):
     return rowptr, src[order].to(torch.int32)
 
 
-@contextlib.contextmanager
 def _saved_as(mode, bits):
-    """Saved-tensor hooks that quantize every saved float matrix (``x_l`` and ``x_r`` are
-    saved as their (N * H) x C views) and hand it back dequantized whole (``"dense"``) or as
-    a `RowChunked` (``"rows"``)."""
-
-    def pack(t):
-        if t.is_floating_point() and t.dim() == 2:
-            return quantize(t.detach(), bits, seed=11)
-        return t
-
-    def unpack(p):
-        if not isinstance(p, torch.Tensor):
-            return RowChunked(p) if mode == "rows" else p.dequantize()
-        return p
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _dequantized(t, bits):
-    return quantize(t.detach().reshape(-1, t.shape[-1]), bits, seed=11).dequantize().view(t.shape)
+    """`saved_as` on every saved float matrix (``x_l`` and ``x_r`` are saved as their
+    (N * H) x C views)."""
+    return saved_as(mode, bits, lambda t: t.dim() == 2)
 
 
 @pytest.mark.parametrize("heads,channels", [(1, 16), (8, 5), (3, 32)])
@@ -82,8 +65,8 @@ def test_compressed_inputs_read_in_parts_match_the_reference(heads, channels, dt
 
     # the reference: stock autograd at the dequantized inputs (in fp32: ours accumulates half
     # inputs in fp32), the same dropout draw
-    xl_hat = _dequantized(x_l, bits).float().requires_grad_()
-    xr_hat = xl_hat if shared else _dequantized(x_r, bits).float().requires_grad_()
+    xl_hat = dequantized(x_l, bits).float().requires_grad_()
+    xr_hat = xl_hat if shared else dequantized(x_r, bits).float().requires_grad_()
     ref_inputs = (xl_hat, att) if shared else (xl_hat, xr_hat, att)
     torch.manual_seed(7)
     ref = sgat.gatv2_attention_reference(xl_hat, xr_hat, att, rowptr, col.long(), 0.2, dropout)
