@@ -558,13 +558,7 @@ class Controller:
         if lossless is not None and not lossless[0].expired():
             return Stored(name, lossless[1], t, None, nbytes, nbytes, version)
         dtype = t.dtype
-        # `_too_small`, inlined: the rule that keeps float and bool tensors as they are
-        small = False
-        if self.bits_policy is None:
-            limit = self.config.extra.get("min_bytes")
-            if limit is None:
-                limit = CUDA_MIN_BYTES if t.is_cuda else 0
-            small = t.numel() * t.element_size() < limit
+        small = self._below_min_bytes(t.numel() * t.element_size(), t.is_cuda)
         if dtype == torch.bool:
             if small:  # packing costs a launch (forward) and more (backward)
                 return Stored(name, "mask", t, None, nbytes, nbytes, version)
@@ -592,22 +586,23 @@ class Controller:
         q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
         return Stored(name, "activation", q, bits, nbytes, q.nbytes)
 
-    def _too_small(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is below ``min_bytes`` (default `CUDA_MIN_BYTES` on CUDA, 0 elsewhere).
-        A memory-budget policy decides every tensor itself, so it is never overridden."""
+    def _below_min_bytes(self, nbytes: int, is_cuda: bool) -> bool:
+        """The rule that keeps float and bool tensors as they are: ``nbytes`` (elements times
+        element size) below ``min_bytes`` (default `CUDA_MIN_BYTES` on CUDA, 0 elsewhere). A
+        memory-budget policy decides every tensor itself, so it is never overridden."""
         if self.bits_policy is not None:
             return False
         limit = self.config.extra.get("min_bytes")
         if limit is None:
-            limit = CUDA_MIN_BYTES if t.is_cuda else 0
-        return t.numel() * t.element_size() < limit
+            limit = CUDA_MIN_BYTES if is_cuda else 0
+        return nbytes < limit
 
     def keeps_as_is(self, t: torch.Tensor) -> bool:
         """Whether a saved tensor of ``t``'s size, dtype and device is kept as it is by the
         ``min_bytes`` rule (float and bool tensors alike). The pointwise ops ask it about
         their input: where it holds, everything PyTorch's own op would save is no larger than
         that input, so it would be kept too, and the op runs as PyTorch's."""
-        return self._too_small(t)
+        return self._below_min_bytes(t.numel() * t.element_size(), t.is_cuda)
 
     #: the unpack hook: ``stored.unpack()``, called from C without a Python frame of its own
     _unpack = staticmethod(operator.methodcaller("unpack"))

@@ -40,14 +40,14 @@ def _reference_store(ctl, name, t, cdata):
     if lossless is not None and not lossless[0].expired():
         return Stored(name, lossless[1], t, None, nbytes, nbytes, t._version)
     if t.dtype == torch.bool:
-        if ctl._too_small(t):
+        if ctl.keeps_as_is(t):
             return Stored(name, "mask", t, None, nbytes, nbytes, t._version)
         packed = pack_bool_mask(t)
         return Stored(name, "mask", packed, None, nbytes, packed.nbytes)
     if not t.is_floating_point():
         return Stored(name, "index", t, None, nbytes, nbytes, t._version)
     bits = ctl.bits_for(name)
-    if bits is None or bits >= 32 or t.numel() < ctl.config.min_numel or ctl._too_small(t):
+    if bits is None or bits >= 32 or t.numel() < ctl.config.min_numel or ctl.keeps_as_is(t):
         return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
     if exceeds_fp32_range(t):
         return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
