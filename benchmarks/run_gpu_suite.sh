@@ -22,6 +22,15 @@
 #               with graph_check "forward" / "version": the graph check's cost per step
 #   host_overhead   benchmarks/host_overhead.py --device cuda: ops, possible syncs and the
 #               syncs CUDA itself reports in one steady-state GCN step (suite.log only)
+#   gat_probe   benchmarks/gat_probe_peak.py --device cuda   GAT/GATv2 worst step, fixed vs default
+#   replan      tests/policy/replan_time.py --device cuda   a re-planning step over the median
+#               step, GAT and GCN (suite.log only)
+#
+# SUITE_STAGES=waiting runs what waits for a GPU, most needed first, in one call: the CUDA
+# tests, step time of every model (stock, fixed and default 2 bits), the quantizer, the
+# re-planning step, the GAT probe's peak, the CiteSeer epoch, the products GAT, the host's ops.
+#
+#   SUITE_STAGES=waiting bash benchmarks/run_gpu_suite.sh
 #
 #   SUITE_STAGES="host_step_forward host_step_version host_overhead" T_HOST=150 bash benchmarks/run_gpu_suite.sh
 #
@@ -53,15 +62,22 @@ STAGES="$OUTDIR/.stages.tsv"
 SUITE_BUDGET="${SUITE_BUDGET:-560}"
 T_QUANTIZE="${T_QUANTIZE:-40}"
 T_MEMORY="${T_MEMORY:-150}"
-T_STEP="${T_STEP:-70}"
 T_SCALING="${T_SCALING:-160}"
 T_LARGEST="${T_LARGEST:-110}"
 T_CUDA_TESTS="${T_CUDA_TESTS:-120}"
 T_GAT_EDGE="${T_GAT_EDGE:-60}"
 T_SMALL="${T_SMALL:-60}"
-T_PRODUCTS="${T_PRODUCTS:-150}"
 T_HOST="${T_HOST:-90}"
+T_GAT_PROBE="${T_GAT_PROBE:-60}"
+T_REPLAN="${T_REPLAN:-60}"
+if [[ "${SUITE_STAGES:-}" == waiting ]]; then
+    SUITE_STAGES="cuda_tests step_time quantize replan gat_probe small products host_overhead"
+    : "${T_STEP:=90}" "${T_PRODUCTS:=110}" "${STEP_MODELS:=gcn,gat,gatv2,gcnii}"
+    : "${STEP_METHODS:=stock,L1-2bit,L1-2bit-adaptive}"
+fi
 SUITE_STAGES=" ${SUITE_STAGES:-quantize memory step_time scaling largest} "
+T_STEP="${T_STEP:-70}"
+T_PRODUCTS="${T_PRODUCTS:-150}"
 # SUITE_DEVICE=cpu and the *_ARGS variables (extra arguments per stage, word-split) exist to
 # dry-run the suite's mechanics on a machine without a GPU, with tiny sizes; SUITE_DRY_RUN=1
 # sets them all (every stage on CPU at toy sizes, about a minute; tests/benchmarks runs it).
@@ -75,6 +91,8 @@ if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
     : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry}"
     : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
     : "${HOST_STEP_ARGS:=--scale 0.002}" "${HOST_ARGS:=--steps 5 --warmup 3 --nodes 200}"
+    : "${GAT_PROBE_ARGS:=--nodes 300 --hidden 8 --features 16}"
+    : "${REPLAN_ARGS:=--scale 0.002 --steps 9}"
 fi
 DEV="${SUITE_DEVICE:-cuda}"
 SCALING_BUDGET_GB="${SCALING_BUDGET_GB:-16}"
@@ -130,6 +148,7 @@ fi
 run_stage step_time "$T_STEP" \
     "$PY" benchmarks/step_time.py --device "$DEV" --warmup 2 --steps 10 \
     --methods "${STEP_METHODS:-stock,L1-4bit,L1-2bit,L1-2bit-adaptive,L2-2bit,stock-amp,L1-2bit-amp}" \
+    ${STEP_MODELS:+--models "$STEP_MODELS"} \
     --time-budget $((T_STEP - 25)) --json "$OUTDIR/step_time.json" ${STEP_ARGS:-}
 
 run_stage scaling "$T_SCALING" \
@@ -140,6 +159,14 @@ run_stage largest "$T_LARGEST" \
     "$PY" benchmarks/largest_graph.py --device "$DEV" --budget-gb "$LARGEST_BUDGET_GB" \
     --rel-tol 0.1 --time-budget $((T_LARGEST - 30)) --json "$OUTDIR/largest_graph.json" \
     ${LARGEST_ARGS:-}
+
+run_stage replan "$T_REPLAN" \
+    "$PY" tests/policy/replan_time.py --device "$DEV" --scale 1 --models gat,gcn --steps 17 \
+    ${REPLAN_ARGS:-}
+
+run_stage gat_probe "$T_GAT_PROBE" \
+    "$PY" benchmarks/gat_probe_peak.py --device "$DEV" --models gat,gatv2 --steps 3 \
+    --json "$OUTDIR/gat_probe_peak.json" ${GAT_PROBE_ARGS:-}
 
 run_stage gat_edge "$T_GAT_EDGE" \
     "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --json "$OUTDIR/bench_gat_edge.json" \
