@@ -16,6 +16,12 @@ outermost exits); other threads are not affected. Two of them live here:
   that meets the graph; later steps find it cached. What that work holds is part of the first
   step's peak but of no later step's, so the memory-budget planner, which predicts later steps
   from its profile step, counts it apart (`gact_graph.budget.profile.LiveBytes`).
+- **reading rows** (`reading_rows`, `is_reading_rows`): a Function that reads a compressed
+  matrix a row range at a time (class attribute ``reads_row_chunks``: the graph-attention
+  Functions, the BatchNorm saving its normalized input) wraps its ``ctx.saved_tensors`` in
+  it, and the controller's unpack hook then hands a compressed 2-D activation back as a
+  `~gact_graph.core.chunked.RowChunked` instead of a dequantized copy, in every step
+  (`gact_graph.core.controller.Stored.unpack_rows`; with grad mode on it stays dense).
 - **package work** (`package_work`): the forward runs inside a ``TorchFunctionMode`` that
   rewrites the user's pointwise ops (`gact_graph.ops.mode`), and every torch call made while it
   is the innermost mode pays a Python ``__torch_function__`` call, the package's own bookkeeping
@@ -41,10 +47,12 @@ __all__ = [
     "ThreadSwitch",
     "is_lean",
     "is_once_per_graph",
+    "is_reading_rows",
     "is_scratch",
     "lean_backward",
     "once_per_graph",
     "package_work",
+    "reading_rows",
     "PACKAGE_MODE_ATTR",
     "scratch",
 ]
@@ -71,6 +79,7 @@ class ThreadSwitch:
 
 _LEAN = ThreadSwitch()
 _ONCE = ThreadSwitch()
+_ROWS = ThreadSwitch()
 _SCRATCH = threading.local()  # ids of the tensors a lean backward may write into
 
 
@@ -109,6 +118,29 @@ def is_once_per_graph() -> bool:
 def once_per_graph():
     """Work inside is done once per graph (a context manager; nests)."""
     return _ONCE.on()
+
+
+#: Whether `reading_rows` is on in every step; off, Functions that set ``reads_row_chunks``
+#: are handed dequantized copies outside the sensitivity probe (whose own reads do not depend
+#: on it). The same values either way: the tests switch it off for their reference.
+ROWS_IN_EVERY_STEP = True
+
+
+@contextlib.contextmanager
+def reading_rows() -> Iterator[None]:
+    """Around a backward's ``ctx.saved_tensors``: the controller's unpack may hand a
+    compressed 2-D activation back as a `RowChunked` (see the module docstring); nothing
+    when `ROWS_IN_EVERY_STEP` is off."""
+    if not ROWS_IN_EVERY_STEP:
+        yield
+        return
+    with _ROWS.on():
+        yield
+
+
+def is_reading_rows() -> bool:
+    """Whether the current thread runs inside `reading_rows` (with `ROWS_IN_EVERY_STEP` on)."""
+    return _ROWS.is_on()
 
 
 #: Class attribute (True) of a ``TorchFunctionMode`` that `package_work` steps past.

@@ -30,6 +30,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
+from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
 from gact_graph.core.saved import (
     KINDS,
@@ -42,7 +43,7 @@ from gact_graph.core.saved import (
     view_bytes,
 )
 from gact_graph.kernels.bitpack import PackedMask
-from gact_graph.switches import package_work
+from gact_graph.switches import is_reading_rows, package_work
 
 __all__ = ["Controller", "Stored", "mix_seed"]
 
@@ -122,6 +123,21 @@ class Stored:
         if isinstance(p, QTensor):
             return p.dequantize()
         return p.unpack()
+
+    def unpack_rows(self) -> torch.Tensor:
+        """`unpack`, except that a compressed 2-D activation is handed back as a `RowChunked`
+        (no dequantized copy) inside a backward's `reading_rows` with grad mode off: what a
+        Function that sets ``reads_row_chunks`` reads a row range at a time."""
+        p = self.payload
+        if (
+            isinstance(p, QTensor)
+            and is_reading_rows()
+            and self.kind == "activation"
+            and len(p.shape) == 2
+            and not torch.is_grad_enabled()
+        ):
+            return RowChunked(p)
+        return self.unpack()
 
     def record(self, shape, dtype) -> dict[str, Any]:
         return {
@@ -414,7 +430,10 @@ class Controller:
         self._lossless = {k: v for k, v in self._lossless.items() if not v[0].expired()}
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            # the row-reading hook unless a wrapper stands over `_unpack` (the sensitivity
+            # probe's writes its noise into the dense copy it is handed)
+            unpack = self._unpack if "_unpack" in self.__dict__ else self._unpack_rows
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
             for factory in self._context_factories:
                 stack.enter_context(factory())
         except BaseException:
@@ -606,6 +625,8 @@ class Controller:
 
     #: the unpack hook: ``stored.unpack()``, called from C without a Python frame of its own
     _unpack = staticmethod(operator.methodcaller("unpack"))
+    #: the unpack hook of a forward with no wrapper over `_unpack`: ``stored.unpack_rows()``
+    _unpack_rows = staticmethod(operator.methodcaller("unpack_rows"))
 
     # ------------------------------------------------------------------ training loop API
     def iterate(self, step_fn: Callable[[], Any] | None = None) -> None:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP
 from gact_graph.core.chunked import RowChunked, row_ranges
-from gact_graph.switches import is_scratch
+from gact_graph.switches import is_scratch, reading_rows
 
 __all__ = ["BatchNormFunction", "batch_norm"]
 
@@ -88,7 +88,8 @@ class BatchNormFunction(torch.autograd.Function):
                 "gact_graph: the normalized-input batch_norm is differentiable once; "
                 + DOUBLE_BACKWARD_HELP
             )
-        xhat, invstd, weight = ctx.saved_tensors
+        with reading_rows():
+            xhat, invstd, weight = ctx.saved_tensors
         nd = grad.dim()
         dims = [0, *range(2, nd)]
         acc = torch.float64 if grad.dtype == torch.float64 else torch.float32

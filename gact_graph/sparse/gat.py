@@ -92,7 +92,7 @@ from gact_graph.sparse.adjacency import get_adjacency
 from gact_graph.sparse.amp import add_into, autocast_off
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
-from gact_graph.switches import is_lean, package_work
+from gact_graph.switches import is_lean, package_work, reading_rows
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -773,9 +773,12 @@ class GatFusedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         from gact_graph.kernels import gat_edge
 
-        x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        with reading_rows():
+            saved = ctx.saved_tensors
+        x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = saved
         x_src = _kernel_features(x_src, ctx.x_shape)
-        a_src, a_dst = _dense(a_src), _dense(a_dst)  # (kept lossless: dense already)
+        # (kept lossless: dense already)
+        a_src, a_dst, m, s = _dense(a_src), _dense(a_dst), _dense(m), _dense(s)
         needs = tuple(ctx.needs_input_grad[:3])
         grad_x, grad_src, grad_dst = gat_edge.gat_edge_backward(
             grad_out, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s,
@@ -850,7 +853,9 @@ class GatV2FusedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         from gact_graph.kernels import gat_edge
 
-        x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        with reading_rows():
+            x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
+        m, s = _dense(m), _dense(s)  # (kept lossless: dense already)
         same = x_r is x_l
         x_l = _kernel_features(x_l, ctx.shapes[0])
         x_r = x_l if same else _kernel_features(x_r, ctx.shapes[1])
@@ -1171,7 +1176,8 @@ class GatV2AttentionFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
-        x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
+        with reading_rows():
+            x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
         need_l, need_r, need_att = ctx.needs_input_grad[:3]
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
         heads, channels = att.shape[-2:]
