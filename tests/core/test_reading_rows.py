@@ -181,7 +181,7 @@ def test_fused_step_gradients_bit_for_bit(monkeypatch, handed):
     monkeypatch.setattr(sgat, "_kernel_features",
                         lambda x, shape: kinds.append(type(kernel_features(x, shape)).__name__)
                         or kernel_features(x, shape))  # fmt: skip
-    x, ei, y = _graph(n=16, e=40)
+    x, ei, y = _graph(n=8, e=20)
     graph = (x.to(DEVICE), ei.to(DEVICE), y.to(DEVICE))
     out = {}
     for rows in (False, True):
