@@ -127,11 +127,11 @@ ROWS_IN_EVERY_STEP = True
 
 
 @contextlib.contextmanager
-def reading_rows() -> Iterator[None]:
+def reading_rows(on: bool = True) -> Iterator[None]:
     """Around a backward's ``ctx.saved_tensors``: the controller's unpack may hand a
     compressed 2-D activation back as a `RowChunked` (see the module docstring); nothing
-    when `ROWS_IN_EVERY_STEP` is off."""
-    if not ROWS_IN_EVERY_STEP:
+    when ``on`` (the Function's ``reads_row_chunks``) or `ROWS_IN_EVERY_STEP` is off."""
+    if not (on and ROWS_IN_EVERY_STEP):
         yield
         return
     with _ROWS.on():

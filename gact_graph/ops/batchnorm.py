@@ -56,10 +56,11 @@ class BatchNormFunction(torch.autograd.Function):
     """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, ...)``
     saving :math:`\\hat x`, the per-channel ``invstd`` and the weight.
 
-    Inside the sensitivity probe's partial backwards (`reads_row_chunks`) a compressed 2-D
-    :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk at a time: the
-    probe replays this backward on top of the user's, and a whole dequantized copy would add
-    one input-sized tensor to the probed step's peak (GCN + BatchNorm)."""
+    A compressed 2-D :math:`\\hat x` arrives as a `RowChunked` (`reads_row_chunks`: in every
+    step, `reading_rows`, and in the sensitivity probe's partial backwards) and is dequantized
+    a row chunk at a time: a whole dequantized copy would add one input-sized tensor to the
+    backward's peak (GCN + BatchNorm), and the probe replays this backward on top of the
+    user's."""
 
     reads_row_chunks = True
 
@@ -88,7 +89,7 @@ class BatchNormFunction(torch.autograd.Function):
                 "gact_graph: the normalized-input batch_norm is differentiable once; "
                 + DOUBLE_BACKWARD_HELP
             )
-        with reading_rows():
+        with reading_rows(ctx._forward_cls.reads_row_chunks):
             xhat, invstd, weight = ctx.saved_tensors
         nd = grad.dim()
         dims = [0, *range(2, nd)]

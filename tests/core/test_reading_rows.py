@@ -100,6 +100,21 @@ def test_chunked_step_gradients_bit_for_bit(name, monkeypatch, handed):
     _assert_same(rows, dense)
 
 
+def test_a_function_that_does_not_read_rows_gets_dense_copies(monkeypatch, handed):
+    """``reads_row_chunks`` off on a Function class (the GCN's BatchNorm): its backward is
+    handed dense copies, with the same gradients."""
+    from gact_graph.ops.batchnorm import BatchNormFunction
+
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    rows = _compressed_step("gcn", True, monkeypatch, steps=1)
+    assert handed.get("RowChunked") == 2, handed
+    handed.clear()
+    monkeypatch.setattr(BatchNormFunction, "reads_row_chunks", False)
+    dense = _compressed_step("gcn", True, monkeypatch, steps=1)
+    assert "RowChunked" not in handed and handed.get("Tensor", 0) > 0, handed
+    _assert_same(rows, dense)
+
+
 def test_unpack_rows_only_with_grad_off():
     """`Stored.unpack_rows` gives a `RowChunked` of a compressed 2-D activation only inside
     `reading_rows` with grad mode off; else `Stored.unpack`'s tensor (with grad mode on, as
