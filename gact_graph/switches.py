@@ -16,12 +16,13 @@ outermost exits); other threads are not affected. Two of them live here:
   that meets the graph; later steps find it cached. What that work holds is part of the first
   step's peak but of no later step's, so the memory-budget planner, which predicts later steps
   from its profile step, counts it apart (`gact_graph.budget.profile.LiveBytes`).
-- **reading rows** (`reading_rows`, `is_reading_rows`): a Function that reads a compressed
-  matrix a row range at a time (class attribute ``reads_row_chunks``: the graph-attention
-  Functions, the BatchNorm saving its normalized input) wraps its ``ctx.saved_tensors`` in
-  it, and the controller's unpack hook then hands a compressed 2-D activation back as a
-  `~gact_graph.core.chunked.RowChunked` instead of a dequantized copy, in every step
-  (`gact_graph.core.controller.Stored.unpack_rows`; with grad mode on it stays dense).
+- **reading rows** (`reading_rows`, `is_reading_rows`): a Function that can read a compressed
+  matrix a row range at a time wraps its ``ctx.saved_tensors`` in it, switched on by its
+  class attribute ``reads_rows_every_step`` (the fused graph-attention Functions, whose
+  kernels read packed codes), and the controller's unpack hook then hands a compressed 2-D
+  activation back as a `~gact_graph.core.chunked.RowChunked` instead of a dequantized copy,
+  in every step (`gact_graph.core.controller.Stored.unpack_rows`; with grad mode on it stays
+  dense). Inside the sensitivity probe every Function with ``reads_row_chunks`` reads so.
 - **package work** (`package_work`): the forward runs inside a ``TorchFunctionMode`` that
   rewrites the user's pointwise ops (`gact_graph.ops.mode`), and every torch call made while it
   is the innermost mode pays a Python ``__torch_function__`` call, the package's own bookkeeping
@@ -120,7 +121,7 @@ def once_per_graph():
     return _ONCE.on()
 
 
-#: Whether `reading_rows` is on in every step; off, Functions that set ``reads_row_chunks``
+#: Whether `reading_rows` is on in every step; off, Functions that set ``reads_rows_every_step``
 #: are handed dequantized copies outside the sensitivity probe (whose own reads do not depend
 #: on it). The same values either way: the tests switch it off for their reference.
 ROWS_IN_EVERY_STEP = True
@@ -130,7 +131,7 @@ ROWS_IN_EVERY_STEP = True
 def reading_rows(on: bool = True) -> Iterator[None]:
     """Around a backward's ``ctx.saved_tensors``: the controller's unpack may hand a
     compressed 2-D activation back as a `RowChunked` (see the module docstring); nothing
-    when ``on`` (the Function's ``reads_row_chunks``) or `ROWS_IN_EVERY_STEP` is off."""
+    when ``on`` (the Function's ``reads_rows_every_step``) or `ROWS_IN_EVERY_STEP` is off."""
     if not (on and ROWS_IN_EVERY_STEP):
         yield
         return

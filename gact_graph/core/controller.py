@@ -127,7 +127,7 @@ class Stored:
     def unpack_rows(self) -> torch.Tensor:
         """`unpack`, except that a compressed 2-D activation is handed back as a `RowChunked`
         (no dequantized copy) inside a backward's `reading_rows` with grad mode off: what a
-        Function that sets ``reads_row_chunks`` reads a row range at a time."""
+        Function that sets ``reads_rows_every_step`` reads a row range at a time."""
         p = self.payload
         if (
             isinstance(p, QTensor)

@@ -56,13 +56,15 @@ class BatchNormFunction(torch.autograd.Function):
     """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, ...)``
     saving :math:`\\hat x`, the per-channel ``invstd`` and the weight.
 
-    A compressed 2-D :math:`\\hat x` arrives as a `RowChunked` (`reads_row_chunks`: in every
-    step, `reading_rows`, and in the sensitivity probe's partial backwards) and is dequantized
-    a row chunk at a time: a whole dequantized copy would add one input-sized tensor to the
-    backward's peak (GCN + BatchNorm), and the probe replays this backward on top of the
-    user's."""
+    Inside the sensitivity probe's partial backwards (`reads_row_chunks`) a compressed 2-D
+    :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk at a time: the
+    probe replays this backward on top of the user's, and a whole dequantized copy would add
+    one input-sized tensor to the probed step's peak (GCN + BatchNorm). A plain step's backward
+    is handed the dense copy (``reads_rows_every_step`` off): reading in chunks costs CPU time
+    that one input-sized copy does not repay there."""
 
     reads_row_chunks = True
+    reads_rows_every_step = False
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, momentum, eps):
@@ -89,7 +91,7 @@ class BatchNormFunction(torch.autograd.Function):
                 "gact_graph: the normalized-input batch_norm is differentiable once; "
                 + DOUBLE_BACKWARD_HELP
             )
-        with reading_rows(ctx._forward_cls.reads_row_chunks):
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
             xhat, invstd, weight = ctx.saved_tensors
         nd = grad.dim()
         dims = [0, *range(2, nd)]

@@ -739,13 +739,14 @@ class GatFusedFunction(torch.autograd.Function):
     view, the same quantization groups), ``a_src``, ``a_dst``, the CSR and its transpose, the
     statistics (2 x N_dst x H fp32) and the seed.
 
-    A compressed ``x_src`` arrives as a matrix read by rows (`_row_matrix`; ``reads_row_chunks``:
-    in every step, `reading_rows`, and in the sensitivity probe's work), and the backward
-    kernels read its packed codes directly (`_kernel_features`): no dequantized N x H x C
-    copy, the same values.
+    A compressed ``x_src`` arrives as a matrix read by rows (`_row_matrix`; in every step,
+    ``reads_rows_every_step``, and in the sensitivity probe's work, ``reads_row_chunks``), and
+    the backward kernels read its packed codes directly (`_kernel_features`): no dequantized
+    N x H x C copy, the same values.
     """
 
     reads_row_chunks = True
+    reads_rows_every_step = True
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -774,7 +775,7 @@ class GatFusedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         from gact_graph.kernels import gat_edge
 
-        with reading_rows(ctx._forward_cls.reads_row_chunks):
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
             saved = ctx.saved_tensors
         x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = saved
         x_src = _kernel_features(x_src, ctx.x_shape)
@@ -821,10 +822,12 @@ class GatV2FusedFunction(torch.autograd.Function):
     one, and in half precision their exponentials overflow.
 
     ``x_l`` and ``x_r`` are saved as their (N * H) x C views; the kernels read a compressed
-    one's packed codes directly (``reads_row_chunks``: in every step and in the sensitivity
-    probe's work), as `GatFusedFunction` reads ``x_src``: neither is dequantized whole."""
+    one's packed codes directly (``reads_rows_every_step``, ``reads_row_chunks``: in every
+    step and in the sensitivity probe's work), as `GatFusedFunction` reads ``x_src``: neither
+    is dequantized whole."""
 
     reads_row_chunks = True
+    reads_rows_every_step = True
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -854,7 +857,7 @@ class GatV2FusedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         from gact_graph.kernels import gat_edge
 
-        with reading_rows(ctx._forward_cls.reads_row_chunks):
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
             x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
         m, s = _dense(m), _dense(s)  # (kept lossless: dense already)
         same = x_r is x_l
@@ -1127,15 +1130,17 @@ class GatV2AttentionFunction(torch.autograd.Function):
     E x H tensor (the coefficients' gradient, then the logits' in its place).
 
     ``x_l`` and ``x_r`` are saved as their (N * H) x C views (the same quantization groups
-    as N x H x C), so that (`reads_row_chunks`: in every step, `reading_rows`, and in the
-    sensitivity probe's work) a compressed one arrives as a matrix it reads in parts: ``x_r``
-    a gather chunk's rows at a time (`_DestinationRows`), ``x_l`` from its unpacked codes
-    (`_SourceRows`, a quarter of an fp32 copy). The backward then holds no dequantized copy
-    of either; in the probe's replays, which run on top of the user's backward, its edge
-    chunks are smaller too (`_chunks`).
+    as N x H x C), so that inside the sensitivity probe's work (`reads_row_chunks`) a
+    compressed one arrives as a matrix it reads in parts: ``x_r`` a gather chunk's rows at a
+    time (`_DestinationRows`), ``x_l`` from its unpacked codes (`_SourceRows`, a quarter of an
+    fp32 copy). That backward, which the probe runs on top of the user's, then holds no
+    dequantized copy of either; its edge chunks are smaller there too (`_chunks`). A plain
+    step's backward is handed dense copies (``reads_rows_every_step`` off): reading in parts
+    costs CPU time that the copy's memory, one input's, does not repay there.
     """
 
     reads_row_chunks = True
+    reads_rows_every_step = False
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -1178,7 +1183,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
-        with reading_rows(ctx._forward_cls.reads_row_chunks):
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
             x_l, x_r, att, rowptr, col, perm, state = ctx.saved_tensors
         need_l, need_r, need_att = ctx.needs_input_grad[:3]
         num_edges, num_dst = col.numel(), rowptr.numel() - 1

@@ -1,5 +1,6 @@
-"""Compressed matrices read by rows in every step: a Function that sets ``reads_row_chunks``
-(the graph-attention Functions, the normalized-input BatchNorm) wraps its
+"""Compressed matrices read by rows in every step: a Function that sets
+``reads_rows_every_step`` (the fused graph-attention Functions; the chunked row readers, GATv2's
+stage and the normalized-input BatchNorm, have it off and are switched on here) wraps its
 ``ctx.saved_tensors`` in `reading_rows`, and the controller's unpack hook hands it a
 compressed 2-D activation as a `RowChunked` rather than a dequantized copy
 (`Stored.unpack_rows`). The gradients of a compressed step equal, bit for bit, those of the
@@ -84,13 +85,35 @@ def _assert_same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def _row_readers_every_step(monkeypatch):
+    """Patch the chunked row readers (GATv2's chunked stage, the BatchNorm) to read rows in
+    every step too, as the fused Functions do by default."""
+    from gact_graph.ops.batchnorm import BatchNormFunction
+
+    monkeypatch.setattr(BatchNormFunction, "reads_rows_every_step", True)
+    monkeypatch.setattr(sgat.GatV2AttentionFunction, "reads_rows_every_step", True)
+
+
 @pytest.mark.parametrize("name", ["gat", "gatv2", "gcn"])
-def test_chunked_step_gradients_bit_for_bit(name, monkeypatch, handed):
-    """On the chunked (CPU) path: every gradient of a fixed 2-bit step equals, bit for bit,
-    that of the step handed dequantized copies; row-read matrices were handed (the
-    BatchNorms' normalized inputs, and GATv2's features: GAT's chunked stage saves its
-    features N x H x C, which stay dense)."""
+def test_chunked_path_is_handed_dense_copies_by_default(name, monkeypatch, handed):
+    """On the chunked (CPU) path a plain step's backward is handed dequantized copies (its
+    row readers' ``reads_rows_every_step`` is off: reading in parts costs more CPU time there
+    than the copy's memory repays); the switch makes no difference to the gradients."""
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    on = _compressed_step(name, True, monkeypatch)
+    off = _compressed_step(name, False, monkeypatch)
+    assert "RowChunked" not in handed, handed
+    _assert_same(on, off)
+
+
+@pytest.mark.parametrize("name", ["gat", "gatv2", "gcn"])
+def test_chunked_row_readers_in_every_step_bit_for_bit(name, monkeypatch, handed):
+    """With the chunked row readers switched on in every step: every gradient of a fixed
+    2-bit step equals, bit for bit, that of the step handed dequantized copies; row-read
+    matrices were handed (the BatchNorms' normalized inputs, and GATv2's features: GAT's
+    chunked stage saves its features N x H x C, which stay dense)."""
+    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    _row_readers_every_step(monkeypatch)
     dense = _compressed_step(name, False, monkeypatch)
     assert "RowChunked" not in handed, handed
     rows = _compressed_step(name, True, monkeypatch)
@@ -101,15 +124,16 @@ def test_chunked_step_gradients_bit_for_bit(name, monkeypatch, handed):
 
 
 def test_a_function_that_does_not_read_rows_gets_dense_copies(monkeypatch, handed):
-    """``reads_row_chunks`` off on a Function class (the GCN's BatchNorm): its backward is
-    handed dense copies, with the same gradients."""
+    """``reads_rows_every_step`` on then off on a Function class (the GCN's BatchNorm): with
+    it off its backward is handed dense copies, with the same gradients."""
     from gact_graph.ops.batchnorm import BatchNormFunction
 
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    _row_readers_every_step(monkeypatch)
     rows = _compressed_step("gcn", True, monkeypatch, steps=1)
     assert handed.get("RowChunked") == 2, handed
     handed.clear()
-    monkeypatch.setattr(BatchNormFunction, "reads_row_chunks", False)
+    monkeypatch.setattr(BatchNormFunction, "reads_rows_every_step", False)
     dense = _compressed_step("gcn", True, monkeypatch, steps=1)
     assert "RowChunked" not in handed and handed.get("Tensor", 0) > 0, handed
     _assert_same(rows, dense)
@@ -147,6 +171,7 @@ def test_create_graph_stays_dense(monkeypatch, handed):
     """A compressed step's backward with ``create_graph=True`` is handed no `RowChunked`: it
     fails with the same double-backward error as with the path switched off."""
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    _row_readers_every_step(monkeypatch)
     errors = []
     for rows in (False, True):
         monkeypatch.setattr(switches, "ROWS_IN_EVERY_STEP", rows)
@@ -172,6 +197,7 @@ def test_probed_step_is_handed_dense_copies(monkeypatch, handed):
     from gact_graph.policy import sensitivity
 
     monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    _row_readers_every_step(monkeypatch)
     estimates = []
     result = sensitivity.SensitivityProbe.result
     monkeypatch.setattr(sensitivity.SensitivityProbe, "result",
