@@ -73,7 +73,7 @@ T_REPLAN="${T_REPLAN:-60}"
 if [[ "${SUITE_STAGES:-}" == waiting ]]; then
     SUITE_STAGES="cuda_tests step_time quantize replan gat_probe small products host_overhead"
     : "${T_STEP:=90}" "${T_PRODUCTS:=110}" "${STEP_MODELS:=gcn,gat,gatv2,gcnii}"
-    : "${STEP_METHODS:=stock,L1-2bit,L1-2bit-adaptive}"
+    : "${STEP_METHODS:=stock,L1-2bit,L1-2bit-adaptive,L1-2bit-dense-reads}"
 fi
 SUITE_STAGES=" ${SUITE_STAGES:-quantize memory step_time scaling largest} "
 T_STEP="${T_STEP:-70}"

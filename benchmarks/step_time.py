@@ -42,7 +42,7 @@ from benchmarks.harness import (  # noqa: E402
     sync,
     write_results,
 )
-from gact_graph import compress_gnn  # noqa: E402
+from gact_graph import compress_gnn, switches  # noqa: E402
 from gact_graph.datasets import load_dataset  # noqa: E402
 from gact_graph.models import build_model, preset  # noqa: E402
 
@@ -56,9 +56,14 @@ METHODS = {
     # mixed precision: the step's forward under torch.autocast (bf16), backward outside it
     "stock-amp": None,
     "L1-2bit-amp": {"bits": 2, "adaptive": False},
+    # fixed 2 bits with the fused attention kernels handed dequantized copies in every step
+    # (`gact_graph.switches.ROWS_IN_EVERY_STEP` off) instead of reading the packed codes
+    "L1-2bit-dense-reads": {"bits": 2, "adaptive": False},
 }
 #: methods whose forward runs under torch.autocast(device, dtype=torch.bfloat16)
 AMP = {"stock-amp", "L1-2bit-amp"}
+#: methods whose steps run with `gact_graph.switches.ROWS_IN_EVERY_STEP` off
+DENSE_READS = {"L1-2bit-dense-reads"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,6 +128,7 @@ def time_model(name, data, method_names, device, args, deadline) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             run["rest"] = torch.cuda.memory_allocated(device)
+        switches.ROWS_IN_EVERY_STEP = run["method"] not in DENSE_READS
         sync(device)
         t0 = time.perf_counter()
         run["fn"]()
