@@ -30,9 +30,9 @@ class PlanState:
     profile_peak: int | None = None
     #: the smallest budget this profile admits (what `BudgetError` would name)
     least_budget: int = 0
-    #: "" (the plan meets the accuracy bound), "relaxed" (below it: 1 bit allowed everywhere,
-    #: no variance cap), "profile" (admitted by the profile step's measurement: its own
-    #: setting, or a plan predicted to hold no more than it)
+    #: "" (the plan meets the accuracy bound), "relaxed" (below it: no variance cap, and in
+    #: a profile's plan 1 bit allowed everywhere), "profile" (admitted by the profile step's
+    #: measurement: its own setting, or a plan predicted to hold no more than it)
     relaxed: str = ""
     #: the bound the profile step's forward checked (at most ``profile_peak``)
     lower_bound: int = 0
@@ -99,7 +99,7 @@ class SizeClasses:
             if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
                 continue
             held = state.rest + (state.predicted - state.rest) * scale
-            usable = budget if state.relaxed else budget * (1 - margin)
+            usable = budget if state.relaxed == "profile" else budget * (1 - margin)
             if scale > 1.0 and held > usable:
                 continue
             if best is None or held < best[0]:
@@ -121,9 +121,10 @@ class SizeClasses:
         """A plan for a shape that no class admits, solved from the nearest class's profile
         with its per-tensor bytes, transient and measured excess scaled by the shape's sizes
         over the profiled ones (what a profile step of this shape would measure, without
-        running one at 1 bit); None where no class's profile is within `MAX_RESCALE` and
-        scalable (a plan admitted by the profile step's own measurement is not) or no plan
-        fits."""
+        running one at 1 bit); where no plan meets the class's accuracy bound, the fastest
+        that fits without it (``relaxed="relaxed"``, as `select_plan` relaxes a profile's).
+        None where no class's profile is within `MAX_RESCALE` and scalable (a plan admitted
+        by the profile step's own measurement is not) or no plan fits."""
         sizes = self.sizes(signature)
         best = None
         for state in self.classes.get(self.structure(signature), []):
@@ -160,8 +161,16 @@ class SizeClasses:
             grow(state.correction),
         )
         free = budget * (1 - margin) - state.rest - fixed - transient - correction
-        cap = None if state.relaxed else state.variance_cap
-        plan = solve_plan(units, free, cap) if free >= 0 else None
+        if free < 0:
+            return None
+        cap, relaxed = (None, state.relaxed) if state.relaxed else (state.variance_cap, "")
+        plan = solve_plan(units, free, cap)
+        if plan is None and cap is not None:
+            # where no plan meets the accuracy bound, it is relaxed, as for a profile's plan
+            # (`select_plan`), rather than sending a batch a few percent larger to a 1-bit
+            # profile step
+            cap, relaxed = None, "relaxed"
+            plan = solve_plan(units, free, None)
         if plan is None:
             return None
         return dataclasses.replace(
@@ -172,6 +181,8 @@ class SizeClasses:
             fixed=fixed,
             transient=transient,
             correction=correction,
+            variance_cap=cap,
+            relaxed=relaxed,
             recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
             swap={n for n, o in plan.choice.items() if o.mode == "swap"},
             scaled_from=state.scaled_from or state.signature,

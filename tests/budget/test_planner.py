@@ -154,3 +154,45 @@ def test_a_batch_larger_than_every_size_class_gets_a_plan_scaled_from_the_neares
     assert classes.rescaled(much_larger, budget, margin) is None
     twice = ((200, 16), "torch.float32", "cpu"), ((2, 800), "torch.int64", "cpu")
     assert classes.rescaled(twice, 10**6, margin) is None  # far from the profile: profile again
+
+
+def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_plan():
+    """A mini-batch a little larger than the profiled one, where every plan within the
+    class's accuracy bound (its variance cap) is too large once scaled but one below it
+    fits: that plan, solved from the profile with the bound relaxed as a profile's own plan
+    is (``relaxed="relaxed"``), instead of None (a 1-bit profile step). A class of it admits
+    a larger shape only within the budget's margin (only a plan admitted by the profile
+    step's measurement is judged against the budget itself)."""
+    from gact_graph.budget.planner import Option, Plan, Unit
+    from gact_graph.budget.state import PlanState, SizeClasses
+
+    def unit(name):
+        return Unit(name, "tensor", [
+            Option("keep", 32, 1000, seconds=0.0),
+            Option("compress", 2, 70, seconds=2.0, variance=4.0),
+            Option("compress", 1, 40, seconds=3.0, variance=16.0),
+        ])  # fmt: skip
+
+    units = [unit("a"), unit("b")]
+    profiled = ((100, 16), "torch.float32", "cpu"), ((2, 400), "torch.int64", "cpu")
+    plan = Plan({"a": units[0].options[1], "b": units[1].options[1]})  # 2 bits: 140, var 8
+    state = PlanState(profiled, plan, units, rest=100, fixed=50, transient=40,
+                      variance_cap=8.0, profile_step=0)  # fmt: skip
+    classes = SizeClasses()
+    classes.add(state, limit=8)
+    budget, margin = 400, 0.1  # usable 360: the profiled shape predicts 330
+    assert state.predicted == 330
+    larger = ((120, 16), "torch.float32", "cpu"), ((2, 480), "torch.int64", "cpu")  # 1.2x
+    assert classes.find(larger, budget, margin) == (None, 1.0)  # 2 bits scaled: 376 > 360
+    # scaled, 2 + 2 bits hold 168 > 152 free; 2 + 1 bits hold 132 but add variance 20 > 8
+    rescaled = classes.rescaled(larger, budget, margin)
+    assert rescaled is not None and rescaled.relaxed == "relaxed"
+    assert rescaled.variance_cap is None
+    assert 1 in {o.bits for o in rescaled.plan.choice.values()}
+    assert rescaled.predicted <= budget * (1 - margin)
+    assert state.relaxed == "" and state.variance_cap == 8.0  # the profiled class unchanged
+    classes.add(rescaled, limit=8)
+    # 10 % beyond the relaxed class: 364 predicted, within the budget but not its margin
+    beyond = ((132, 16), "torch.float32", "cpu"), ((2, 528), "torch.int64", "cpu")
+    found, scale = classes.find(beyond, budget, margin)
+    assert found is None, (found, scale)
