@@ -218,6 +218,9 @@ def _run_summary(model_name: str, mode: str, steps: list[dict], ctl, budget) -> 
         "nodes": [min(nodes), max(nodes)], "edges": [min(edges), max(edges)],
         "edges_per_node": [min(ratio), max(ratio)],
         "profile_steps": sum(s["phase"] == "profile" for s in steps),
+        "profile_at": [
+            [i, s["nodes"], s["edges"]] for i, s in enumerate(steps) if s["phase"] == "profile"
+        ],
         "steps_at_plan_after_first": sum(s["at_plan"] for s in steps[1:]),
         "stats_ratio": ctl.stats()["total"]["ratio"],
     }  # fmt: skip
@@ -231,6 +234,7 @@ def _run_summary(model_name: str, mode: str, steps: list[dict], ctl, budget) -> 
             worst_planned=max((h["measured"] for h in history if h["phase"] == "planned"),
                               default=None),
             probe_steps=sum(bool(h["probe"]) for h in history),
+            rectified=sum(bool(h["rectified"]) for h in history),
             over_budget=sum(h["measured"] > budget for h in history),
             plan=sorted({o.label for o in planner.plan_state.plan.choice.values()}),
         )  # fmt: skip

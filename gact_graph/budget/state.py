@@ -118,15 +118,18 @@ class SizeClasses:
     MAX_RESCALE = 1.25
 
     def rescaled(self, signature: tuple, budget: int, margin: float) -> PlanState | None:
-        """A plan for a shape that no class admits, solved from the nearest class's profile
-        with its per-tensor bytes, transient and measured excess scaled by the shape's sizes
-        over the profiled ones (what a profile step of this shape would measure, without
-        running one at 1 bit); where no plan meets the class's accuracy bound, the fastest
-        that fits without it (``relaxed="relaxed"``, as `select_plan` relaxes a profile's).
-        None where no class's profile is within `MAX_RESCALE` and scalable (a plan admitted
-        by the profile step's own measurement is not) or no plan fits."""
+        """A plan for a shape that no class admits, solved from a class's profile with its
+        per-tensor bytes, transient and measured excess scaled by the shape's sizes over the
+        profiled ones (what a profile step of this shape would measure, without running one
+        at 1 bit); where no plan meets the class's accuracy bound, the fastest that fits
+        without it (``relaxed="relaxed"``, as `select_plan` relaxes a profile's). The
+        nearest class first, then the farther ones within `MAX_RESCALE`: a class itself
+        scaled from a profile by its largest ratio (edges, say) may leave no room where the
+        profile, scaled by this shape's own ratios, does. None where no class's profile is
+        within `MAX_RESCALE` and scalable (a plan admitted by the profile step's own
+        measurement is not) or no plan fits."""
         sizes = self.sizes(signature)
-        best = None
+        near = []
         for state in self.classes.get(self.structure(signature), []):
             if state.relaxed == "profile":
                 continue
@@ -134,13 +137,19 @@ class SizeClasses:
             if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
                 continue
             scale = max([1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r])
-            if scale > self.MAX_RESCALE:
-                continue
-            if best is None or scale < best[1]:
-                best = (state, scale)
-        if best is None:
-            return None
-        state, scale = best
+            if scale <= self.MAX_RESCALE:
+                near.append((scale, len(near), state))
+        for scale, _, state in sorted(near):
+            chosen = self._scaled(state, scale, signature, budget, margin)
+            if chosen is not None:
+                return chosen
+        return None
+
+    @staticmethod
+    def _scaled(
+        state: PlanState, scale: float, signature: tuple, budget: int, margin: float
+    ) -> PlanState | None:
+        """``state``'s profile scaled by ``scale`` for ``signature`` and solved (`rescaled`)."""
 
         def grow(n: int) -> int:
             return math.ceil(round(n * scale, 6))  # not one byte up for a float's last bit

@@ -196,3 +196,40 @@ def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_p
     beyond = ((132, 16), "torch.float32", "cpu"), ((2, 528), "torch.int64", "cpu")
     found, scale = classes.find(beyond, budget, margin)
     assert found is None, (found, scale)
+
+
+def test_a_rescaled_plan_falls_back_to_a_farther_class_where_the_nearest_leaves_no_room():
+    """Two classes: a profile and a class scaled from it by 1.3 (more edges). A batch with
+    a few more nodes is nearest the scaled class (1.04x), whose figures scaled again (1.35x
+    the profile's transient in all) leave no room, while the profile scaled by this batch's
+    own ratio (1.25x) does: the plan comes from the profile, not a 1-bit profile step."""
+    from gact_graph.budget.planner import Option, Plan, Unit
+    from gact_graph.budget.state import PlanState, SizeClasses
+
+    def sig(nodes, edges):
+        return ((nodes, 16), "torch.float32", "cpu"), ((2, edges), "torch.int64", "cpu")
+
+    def unit(four_bits, two_bits):
+        return Unit("a", "tensor", [
+            Option("keep", 32, 1000, seconds=0.0),
+            Option("compress", 4, four_bits, seconds=1.0),
+            Option("compress", 2, two_bits, seconds=2.0),
+        ])  # fmt: skip
+
+    def state(signature, u, option, transient, **kw):
+        return PlanState(signature, Plan({"a": u.options[option]}), [u], rest=100, fixed=0,
+                         transient=transient, variance_cap=None, profile_step=0, **kw)  # fmt: skip
+
+    profile = state(sig(100, 400), unit(70, 40), 1, 160)  # 4 bits: predicts 330
+    scaled = state(sig(100, 520), unit(91, 52), 2, 208, scaled_from=sig(100, 400), scaled_by=1.3)
+    classes = SizeClasses()
+    classes.add(profile, limit=8)
+    classes.add(scaled, limit=8)
+    budget, margin = 400, 0.1  # usable 360
+    batch = sig(104, 500)  # 1.25x the profile's edges, 1.04x the scaled class's nodes
+    assert classes.find(batch, budget, margin) == (None, 1.0)  # 387.5 and 370.4 > 360
+    plan = classes.rescaled(batch, budget, margin)
+    assert plan is not None, "only the nearest class (2 bits scaled: 372 > 360) was tried"
+    assert plan.scaled_from == sig(100, 400) and plan.scaled_by == 1.25
+    assert plan.transient == 200 and plan.predicted == 350 <= budget * (1 - margin)
+    assert {o.bits for o in plan.plan.choice.values()} == {2}
