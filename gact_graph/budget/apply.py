@@ -213,6 +213,7 @@ class BudgetPlanner:
         self._counter: PeakBytes | None = None
         self._device: torch.device | None = None
         self._warned_resident = False
+        self._warned_rescaled = False  # a plan scaled from a profile relaxed the accuracy bound
         self._last_counter: PeakBytes | None = None
         #: what each exact-shape profile was planned from, for solving again once the
         #: sensitivity probe has run (`_ProfileInputs`)
@@ -406,6 +407,15 @@ class BudgetPlanner:
             if state is not None:
                 self.plans[signature] = state
                 self._add_class(state)
+                if state.relaxed == "relaxed" and not self._warned_rescaled:
+                    self._warned_rescaled = True
+                    warnings.warn(
+                        f"gact_graph: memory_budget={format_bytes(self.budget)}: a batch "
+                        f"{state.scaled_by:.2f}x the size of a profiled one fits only below "
+                        "the accuracy bound (no cap on the added gradient variance); its "
+                        "plan, solved from that profile, relaxes it",
+                        stacklevel=2,
+                    )
         return state, scale
 
     def _add_class(self, state: PlanState) -> None:

@@ -30,9 +30,9 @@ class PlanState:
     profile_peak: int | None = None
     #: the smallest budget this profile admits (what `BudgetError` would name)
     least_budget: int = 0
-    #: "" (the plan meets the accuracy bound), "relaxed" (below it: 1 bit allowed everywhere,
-    #: no variance cap), "profile" (admitted by the profile step's measurement: its own
-    #: setting, or a plan predicted to hold no more than it)
+    #: "" (the plan meets the accuracy bound), "relaxed" (below it: no variance cap, and in
+    #: a profile's plan 1 bit allowed everywhere), "profile" (admitted by the profile step's
+    #: measurement: its own setting, or a plan predicted to hold no more than it)
     relaxed: str = ""
     #: the bound the profile step's forward checked (at most ``profile_peak``)
     lower_bound: int = 0
@@ -99,7 +99,7 @@ class SizeClasses:
             if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
                 continue
             held = state.rest + (state.predicted - state.rest) * scale
-            usable = budget if state.relaxed else budget * (1 - margin)
+            usable = budget if state.relaxed == "profile" else budget * (1 - margin)
             if scale > 1.0 and held > usable:
                 continue
             if best is None or held < best[0]:
@@ -118,14 +118,18 @@ class SizeClasses:
     MAX_RESCALE = 1.25
 
     def rescaled(self, signature: tuple, budget: int, margin: float) -> PlanState | None:
-        """A plan for a shape that no class admits, solved from the nearest class's profile
-        with its per-tensor bytes, transient and measured excess scaled by the shape's sizes
-        over the profiled ones (what a profile step of this shape would measure, without
-        running one at 1 bit); None where no class's profile is within `MAX_RESCALE` and
-        scalable (a plan admitted by the profile step's own measurement is not) or no plan
-        fits."""
+        """A plan for a shape that no class admits, solved from a class's profile with its
+        per-tensor bytes, transient and measured excess scaled by the shape's sizes over the
+        profiled ones (what a profile step of this shape would measure, without running one
+        at 1 bit); where no plan meets the class's accuracy bound, the fastest that fits
+        without it (``relaxed="relaxed"``, as `select_plan` relaxes a profile's). The
+        nearest class first, then the farther ones within `MAX_RESCALE`: a class itself
+        scaled from a profile by its largest ratio (edges, say) may leave no room where the
+        profile, scaled by this shape's own ratios, does. None where no class's profile is
+        within `MAX_RESCALE` and scalable (a plan admitted by the profile step's own
+        measurement is not) or no plan fits."""
         sizes = self.sizes(signature)
-        best = None
+        near = []
         for state in self.classes.get(self.structure(signature), []):
             if state.relaxed == "profile":
                 continue
@@ -133,13 +137,19 @@ class SizeClasses:
             if any(r == 0 and s > 0 for s, r in zip(sizes, ref)):
                 continue
             scale = max([1.0] + [s / r for s, r in zip(sizes, ref) if r > 0 and s > r])
-            if scale > self.MAX_RESCALE:
-                continue
-            if best is None or scale < best[1]:
-                best = (state, scale)
-        if best is None:
-            return None
-        state, scale = best
+            if scale <= self.MAX_RESCALE:
+                near.append((scale, len(near), state))
+        for scale, _, state in sorted(near):
+            chosen = self._scaled(state, scale, signature, budget, margin)
+            if chosen is not None:
+                return chosen
+        return None
+
+    @staticmethod
+    def _scaled(
+        state: PlanState, scale: float, signature: tuple, budget: int, margin: float
+    ) -> PlanState | None:
+        """``state``'s profile scaled by ``scale`` for ``signature`` and solved (`rescaled`)."""
 
         def grow(n: int) -> int:
             return math.ceil(round(n * scale, 6))  # not one byte up for a float's last bit
@@ -160,8 +170,16 @@ class SizeClasses:
             grow(state.correction),
         )
         free = budget * (1 - margin) - state.rest - fixed - transient - correction
-        cap = None if state.relaxed else state.variance_cap
-        plan = solve_plan(units, free, cap) if free >= 0 else None
+        if free < 0:
+            return None
+        cap, relaxed = (None, state.relaxed) if state.relaxed else (state.variance_cap, "")
+        plan = solve_plan(units, free, cap)
+        if plan is None and cap is not None:
+            # where no plan meets the accuracy bound, it is relaxed, as for a profile's plan
+            # (`select_plan`), rather than sending a batch a few percent larger to a 1-bit
+            # profile step
+            cap, relaxed = None, "relaxed"
+            plan = solve_plan(units, free, None)
         if plan is None:
             return None
         return dataclasses.replace(
@@ -172,6 +190,8 @@ class SizeClasses:
             fixed=fixed,
             transient=transient,
             correction=correction,
+            variance_cap=cap,
+            relaxed=relaxed,
             recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
             swap={n for n, o in plan.choice.items() if o.mode == "swap"},
             scaled_from=state.scaled_from or state.signature,

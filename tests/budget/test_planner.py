@@ -154,3 +154,82 @@ def test_a_batch_larger_than_every_size_class_gets_a_plan_scaled_from_the_neares
     assert classes.rescaled(much_larger, budget, margin) is None
     twice = ((200, 16), "torch.float32", "cpu"), ((2, 800), "torch.int64", "cpu")
     assert classes.rescaled(twice, 10**6, margin) is None  # far from the profile: profile again
+
+
+def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_plan():
+    """A mini-batch a little larger than the profiled one, where every plan within the
+    class's accuracy bound (its variance cap) is too large once scaled but one below it
+    fits: that plan, solved from the profile with the bound relaxed as a profile's own plan
+    is (``relaxed="relaxed"``), instead of None (a 1-bit profile step). A class of it admits
+    a larger shape only within the budget's margin (only a plan admitted by the profile
+    step's measurement is judged against the budget itself)."""
+    from gact_graph.budget.planner import Option, Plan, Unit
+    from gact_graph.budget.state import PlanState, SizeClasses
+
+    def unit(name):
+        return Unit(name, "tensor", [
+            Option("keep", 32, 1000, seconds=0.0),
+            Option("compress", 2, 70, seconds=2.0, variance=4.0),
+            Option("compress", 1, 40, seconds=3.0, variance=16.0),
+        ])  # fmt: skip
+
+    units = [unit("a"), unit("b")]
+    profiled = ((100, 16), "torch.float32", "cpu"), ((2, 400), "torch.int64", "cpu")
+    plan = Plan({"a": units[0].options[1], "b": units[1].options[1]})  # 2 bits: 140, var 8
+    state = PlanState(profiled, plan, units, rest=100, fixed=50, transient=40,
+                      variance_cap=8.0, profile_step=0)  # fmt: skip
+    classes = SizeClasses()
+    classes.add(state, limit=8)
+    budget, margin = 400, 0.1  # usable 360: the profiled shape predicts 330
+    assert state.predicted == 330
+    larger = ((120, 16), "torch.float32", "cpu"), ((2, 480), "torch.int64", "cpu")  # 1.2x
+    assert classes.find(larger, budget, margin) == (None, 1.0)  # 2 bits scaled: 376 > 360
+    # scaled, 2 + 2 bits hold 168 > 152 free; 2 + 1 bits hold 132 but add variance 20 > 8
+    rescaled = classes.rescaled(larger, budget, margin)
+    assert rescaled is not None and rescaled.relaxed == "relaxed"
+    assert rescaled.variance_cap is None
+    assert 1 in {o.bits for o in rescaled.plan.choice.values()}
+    assert rescaled.predicted <= budget * (1 - margin)
+    assert state.relaxed == "" and state.variance_cap == 8.0  # the profiled class unchanged
+    classes.add(rescaled, limit=8)
+    # 10 % beyond the relaxed class: 364 predicted, within the budget but not its margin
+    beyond = ((132, 16), "torch.float32", "cpu"), ((2, 528), "torch.int64", "cpu")
+    found, scale = classes.find(beyond, budget, margin)
+    assert found is None, (found, scale)
+
+
+def test_a_rescaled_plan_falls_back_to_a_farther_class_where_the_nearest_leaves_no_room():
+    """Two classes: a profile and a class scaled from it by 1.3 (more edges). A batch with
+    a few more nodes is nearest the scaled class (1.04x), whose figures scaled again (1.35x
+    the profile's transient in all) leave no room, while the profile scaled by this batch's
+    own ratio (1.25x) does: the plan comes from the profile, not a 1-bit profile step."""
+    from gact_graph.budget.planner import Option, Plan, Unit
+    from gact_graph.budget.state import PlanState, SizeClasses
+
+    def sig(nodes, edges):
+        return ((nodes, 16), "torch.float32", "cpu"), ((2, edges), "torch.int64", "cpu")
+
+    def unit(four_bits, two_bits):
+        return Unit("a", "tensor", [
+            Option("keep", 32, 1000, seconds=0.0),
+            Option("compress", 4, four_bits, seconds=1.0),
+            Option("compress", 2, two_bits, seconds=2.0),
+        ])  # fmt: skip
+
+    def state(signature, u, option, transient, **kw):
+        return PlanState(signature, Plan({"a": u.options[option]}), [u], rest=100, fixed=0,
+                         transient=transient, variance_cap=None, profile_step=0, **kw)  # fmt: skip
+
+    profile = state(sig(100, 400), unit(70, 40), 1, 160)  # 4 bits: predicts 330
+    scaled = state(sig(100, 520), unit(91, 52), 2, 208, scaled_from=sig(100, 400), scaled_by=1.3)
+    classes = SizeClasses()
+    classes.add(profile, limit=8)
+    classes.add(scaled, limit=8)
+    budget, margin = 400, 0.1  # usable 360
+    batch = sig(104, 500)  # 1.25x the profile's edges, 1.04x the scaled class's nodes
+    assert classes.find(batch, budget, margin) == (None, 1.0)  # 387.5 and 370.4 > 360
+    plan = classes.rescaled(batch, budget, margin)
+    assert plan is not None, "only the nearest class (2 bits scaled: 372 > 360) was tried"
+    assert plan.scaled_from == sig(100, 400) and plan.scaled_by == 1.25
+    assert plan.transient == 200 and plan.predicted == 350 <= budget * (1 - margin)
+    assert {o.bits for o in plan.plan.choice.values()} == {2}
