@@ -190,10 +190,11 @@ class BudgetPlanner:
         self.size_classes = SizeClasses()
         self._scale = 1.0
         self.plan_state: PlanState | None = None
-        #: input shapes whose first profile step (nothing recomputed) found no plan: their
-        #: next step profiles with every segment recomputed. Value: the smallest budget that
-        #: first profile admits (before the slack), a line on it, for the error the second may
-        #: raise, and its own peak (a rerun runs that step first)
+        #: input shapes (at most `MAX_CLASSES`, `_defer`) whose first profile step (nothing
+        #: recomputed) found no plan: their next step profiles with every segment recomputed.
+        #: Value: the smallest budget that first profile admits (before the slack), a line on
+        #: it, for the error the second may raise, and its own peak (a rerun runs that step
+        #: first)
         self.compress_profiled: dict[tuple, tuple[int, str, int]] = {}
         self._recomputing = False  # whether this profile step recomputes every segment
         #: bytes of the ledger alive when this profile step started (CPU): what earlier steps
@@ -431,6 +432,15 @@ class BudgetPlanner:
 
     #: plans kept per input structure (mini-batches whose sizes leave every class re-profile)
     MAX_CLASSES = 8
+
+    def _defer(self, signature: tuple, deferred: Deferred) -> None:
+        """Keep ``deferred`` for ``signature``'s next profile step (every segment recomputed),
+        for at most `MAX_CLASSES` input shapes, the oldest dropped: a dropped shape's next
+        profile runs without recomputation first again."""
+        self.compress_profiled.pop(signature, None)
+        self.compress_profiled[signature] = deferred
+        while len(self.compress_profiled) > self.MAX_CLASSES:
+            del self.compress_profiled[next(iter(self.compress_profiled))]
 
     def _static_tensors(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What exists before a step and is counted in ``rest``: parameters, buffers, inputs."""
@@ -799,7 +809,7 @@ class BudgetPlanner:
             may_recompute_next=self._may_recompute_next(), what=self._what(),
         )  # fmt: skip
         if isinstance(chosen, Deferred):
-            self.compress_profiled[self._signature] = chosen
+            self._defer(self._signature, chosen)
             return None
         if self._probe_wanted:  # kept for choosing again once the probe has run
             self._profile_inputs[self._signature] = _ProfileInputs(

@@ -694,3 +694,22 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(
         _train(model, ctl, _graph(600), 1)
     ctl.remove()
     assert refused.value.least_budget > st.profile_whole >= 32 * 2**20
+
+
+def test_shapes_waiting_for_a_recompute_profile_are_bounded():
+    """A mini-batch loop whose shapes each find no plan without recomputation keeps at most
+    `MAX_CLASSES` of them waiting (the oldest dropped, a shape deferred again kept newest)."""
+    model = _model()
+    ctl = compress_gnn(model, memory_budget="1GiB")
+    planner = ctl.budget
+    n = planner.MAX_CLASSES
+    shapes = [(((k, 16), "torch.float32", "cpu"),) for k in range(n + 3)]
+    for k, sig in enumerate(shapes):
+        planner._defer(sig, ("deferred", k))
+    assert list(planner.compress_profiled) == shapes[3:]
+    planner._defer(shapes[3], ("again", 3))
+    planner._defer(shapes[-1 - n], ("new", 0))  # dropped earlier: back in, the oldest out
+    assert len(planner.compress_profiled) == n
+    assert shapes[3] in planner.compress_profiled and shapes[4] not in planner.compress_profiled
+    assert list(planner.compress_profiled)[-2:] == [shapes[3], shapes[-1 - n]]
+    ctl.remove()
