@@ -80,14 +80,16 @@ class NodeReads:
     partial: bool = False  # a closed form that carries a draw to parameters (not exact)
     lean: int | None = None  # what its Function states its lean backward holds at most
     noise: int = 0  # what making a replay's noisy copy holds at most (`noise_work`)
+    layouts: list = field(default_factory=list)  # group layouts of its compressed reads
 
     def replay_rise(self) -> int:
         """What the replay rises by at most besides its copies and outputs: the profiled
-        rise, or, for a node of one compressed read (the replay hands it its own copy, so
-        its backward dequantizes nothing) whose Function states a bound of its backward
-        under `lean_backward`, that bound or the noisy copy's making (before the backward
-        runs) where either is more, if that is less."""
-        if self.lean is None or len(self.replayed) != 1:
+        rise, or, for a node whose Function states a bound of its backward under
+        `lean_backward` for the compressed reads it made (the replay hands the replayed one
+        as its own copy, the others as they are read there: `_stated_lean_bytes`), that
+        bound or the noisy copy's making (before the backward runs) where either is more,
+        if that is less."""
+        if self.lean is None:
             return self.rise
         return min(self.rise, max(self.lean, self.noise))
 
@@ -123,17 +125,15 @@ class BackwardReads:
         if what != "activation" or not isinstance(payload, QTensor):
             if not isinstance(payload, torch.Tensor):  # its unpack makes a tensor (a swap)
                 self._unpacking.add(id(node))
-                if node is self._node and self.nodes:
-                    self.nodes[-1].lean = None
             return
         live = self._live
         if node is not self._node:
             self.close()
             self._node = node
-            lean = None if id(node) in self._unpacking else _stated_lean_bytes(node)
-            self.nodes.append(NodeReads(live.bytes, lean=lean))
+            self.nodes.append(NodeReads(live.bytes))
             live.mark()
         rec = self.nodes[-1]
+        rec.layouts.append(payload.layout)
         shape = tuple(payload.shape)
         full = math.prod(shape) * 4
         kind = _closed_form(node, shape, self._param_ids)
@@ -147,19 +147,31 @@ class BackwardReads:
             rec.partial = True
 
     def close(self) -> None:
-        """End the current node's window (the next node reads, or the step ends)."""
+        """End the current node's window (the next node reads, or the step ends), and ask
+        its Function for its stated bound, now that its reads are known (none for a node
+        that also read a stored tensor whose unpack allocates: a replay of it does that
+        inside the node)."""
         if self._node is not None and self.nodes:
             rec = self.nodes[-1]
             rec.rise = max(0, self._live.since_mark() - rec.live)
+            if id(self._node) not in self._unpacking:
+                rec.lean = _stated_lean_bytes(self._node, rec.layouts)
         self._node = None
 
 
-def _stated_lean_bytes(node) -> int | None:
+def _stated_lean_bytes(node, layouts: list) -> int | None:
     """The bound a custom autograd Function's node states of its backward under
-    `lean_backward` (a ``lean_backward_bytes(ctx)`` static method, e.g.
-    `gact_graph.sparse.gat.GatAttentionFunction`), or None."""
+    `lean_backward` in the probe's replay of one of its compressed reads (a
+    ``lean_backward_bytes(ctx, layouts)`` static method, ``layouts`` the group layouts of
+    the compressed tensors the node read, in order: e.g.
+    `gact_graph.sparse.gat.GatAttentionFunction`, `GatV2AttentionFunction`), or None: the
+    Function states none, or none for those reads (a replay that would dequantize another
+    read whole inside the node)."""
     stated = getattr(getattr(node, "_forward_cls", None), "lean_backward_bytes", None)
-    return None if stated is None else int(stated(node))
+    if stated is None:
+        return None
+    bound = stated(node, list(layouts))
+    return None if bound is None else int(bound)
 
 
 def _closed_form(node, shape: tuple[int, ...], param_ids: set[int]) -> tuple[int, bool] | None:
