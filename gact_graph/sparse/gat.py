@@ -575,15 +575,17 @@ class GatAttentionFunction(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    def lean_backward_bytes(ctx, layouts=()) -> int | None:
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
         """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
         at once (its outputs included, its saved inputs and ``grad_out`` not), from the shapes
         the forward recorded: what the memory-budget planner counts for the sensitivity probe's
         replay of this node (`gact_graph.budget.probe_cost`), which hands the replayed input
         as a dense copy. None where ``layouts`` (those of the compressed inputs the node read)
-        holds more than one: the replay of one would dequantize another whole inside the
-        node. `_lean_gat_backward_bytes` derives it from the code of `backward`."""
-        if len(list(layouts)) > 1:
+        holds more than one (the replay of one would dequantize another whole inside the
+        node), and for the probe's walk (``walk``: its compressed inputs are dequantized whole
+        inside the node, which this bound leaves out). `_lean_gat_backward_bytes` derives it
+        from the code of `backward`."""
+        if walk or len(list(layouts)) > 1:
             return None
         num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype, permuted = (
             ctx.shapes
@@ -1186,15 +1188,15 @@ def _lean_gatv2_backward_bytes(
     need_l: bool,
     need_r: bool,
     need_att: bool,
-    other: tuple | None = None,
+    readers: tuple = (),
 ) -> int:
     """Upper bound of the bytes `GatV2AttentionFunction.backward` under `lean_backward`
     creates and holds at once (tensors it allocates, its outputs included; not its inputs),
     read off its code as `_lean_gat_backward_bytes` is: the most over its phases, every
-    tensor an edge-chunk iteration allocates counted as alive together. One input is handed
-    as a dense tensor (the replay's noisy copy); ``other`` is None where the other one is
-    dense too, else ``(role, layout, span_codes)`` of the other one handed compressed and
-    read in parts (`_gatv2_reader_bytes`). Per gather chunk of ``c`` edges and wide chunk of
+    tensor an edge-chunk iteration allocates counted as alive together. ``readers``: per
+    input handed compressed and read in parts, ``(role, layout, span_codes)``
+    (`_gatv2_reader_bytes`); the others are dense (the replay's noisy copy, or a tensor kept
+    as it is). Per gather chunk of ``c`` edges and wide chunk of
     ``w = c * C`` (``H`` heads, ``a`` bytes per accumulated element, ``o`` per output
     element):
 
@@ -1237,8 +1239,7 @@ def _lean_gatv2_backward_bytes(
     src = (0, 0, c * hc * li, c * hc * li)
     dst = (0, 0, c * hc * ri, c * hc * ri)
     bounds = 0
-    if other is not None:
-        role, lay, span = other
+    for role, lay, span in readers:
         if role == "source":
             src = _gatv2_reader_bytes(role, lay, c, h, channels, li, span)
         else:
@@ -1361,41 +1362,54 @@ class GatV2AttentionFunction(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    def lean_backward_bytes(ctx, layouts=()) -> int | None:
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
         """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
         at once (its outputs included, its saved inputs and ``grad_out`` not) in the sensitivity
-        probe's replay of this node (`gact_graph.budget.probe_cost`): one compressed input
-        handed as the replay's dense copy and the other, when ``layouts`` (the group layouts
-        of the compressed inputs the node read, `gact_graph.core.quantize.QTensor.layout`)
-        holds two, handed compressed and read in parts (`reads_row_chunks`), at any code
-        width. The most over which input is replayed and which input the other may be (its
-        rows tell, where the node counts differ). None where an input's layout is not one
-        `_Codes` reads (the backward would dequantize it whole) or more than two are
-        compressed. `_lean_gatv2_backward_bytes` derives it from the code of `backward`."""
+        probe's work (`gact_graph.budget.probe_cost`), ``layouts`` the group layouts of the
+        compressed inputs the node read (`gact_graph.core.quantize.QTensor.layout`), in the
+        order it read them: in a replay of one of them (``walk`` false) that one is handed as
+        the replay's dense copy and the other, if compressed, handed compressed and read in
+        parts (`reads_row_chunks`); in the probe's walk through the node (``walk``) every
+        compressed one is. At any code width; the most over which input is replayed and
+        which role (source or destination) a compressed one may have (its rows tell, where
+        the node counts differ). None where a layout read in parts is not one `_Codes` reads
+        (the backward would dequantize it whole) or more than two are compressed.
+        `_lean_gatv2_backward_bytes` derives it from the code of `backward`."""
         num_src, num_dst, num_edges, heads, channels, l_dtype, r_dtype, att_dtype, permuted = (
             ctx.shapes
         )
         layouts = list(layouts)
-        if len(layouts) > 2 or (len(layouts) == 2 and not all(map(_codes_readable, layouts))):
+        parts = layouts if walk or len(layouts) == 2 else []  # those read in parts
+        if len(layouts) > 2 or not all(map(_codes_readable, parts)):
             return None
+        acc = _acc_dtype(l_dtype)
+        quarter = num_src * heads * channels * (torch.finfo(acc).bits // 8) // 4
+        chunk = edge_chunk_size(num_edges, heads, channels, l_dtype,
+                                min(ctx.chunk_bytes, quarter))  # fmt: skip
+
+        def roles(lay) -> list:  # what reading ``lay`` in parts can be
+            out = []
+            if lay.rows == num_src * heads:
+                out.append(("source", lay, 0))
+            if lay.rows == num_dst * heads:
+                span = _gatv2_span_codes(ctx.rowptr, num_edges, chunk, heads, lay)
+                out.append(("destination", lay, span))
+            return out
+
+        if any(not roles(lay) for lay in layouts):
+            return None
+        if walk:  # every compressed input read in parts, in any assignment of the roles
+            options = [()] if not layouts else [(r,) for r in roles(layouts[0])]
+            if len(layouts) == 2:
+                options = [
+                    (a, b) for a in roles(layouts[0]) for b in roles(layouts[1]) if a[0] != b[0]
+                ]
+        else:  # one replayed (dense), the other (either) read in parts
+            options = [()] + [(r,) for lay in parts for r in roles(lay)]
         need = tuple(ctx.needs_input_grad[:3])
         args = (num_src, num_dst, num_edges, heads, channels, l_dtype, r_dtype, att_dtype,
                 ctx.dropout, permuted, ctx.chunk_bytes, *need)  # fmt: skip
-        others: list = [None]
-        if len(layouts) == 2:
-            acc = _acc_dtype(l_dtype)
-            quarter = num_src * heads * channels * (torch.finfo(acc).bits // 8) // 4
-            chunk = edge_chunk_size(num_edges, heads, channels, l_dtype,
-                                    min(ctx.chunk_bytes, quarter))  # fmt: skip
-            for lay in layouts:
-                if lay.rows == num_src * heads:
-                    others.append(("source", lay, 0))
-                if lay.rows == num_dst * heads:
-                    span = _gatv2_span_codes(ctx.rowptr, num_edges, chunk, heads, lay)
-                    others.append(("destination", lay, span))
-                if lay.rows not in (num_src * heads, num_dst * heads):
-                    return None
-        return max(_lean_gatv2_backward_bytes(*args, other=other) for other in others)
+        return max(_lean_gatv2_backward_bytes(*args, readers=r) for r in options)
 
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
