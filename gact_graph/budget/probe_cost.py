@@ -151,9 +151,14 @@ class BackwardReads:
             self._node = node
             self.nodes.append(NodeReads(live.bytes))
             live.mark()
-            self._ends = node.register_hook(self._ended_hook(node, self.nodes[-1]))
+            try:  # a node that takes no hook keeps its whole window (``own`` stays None)
+                self._ends = node.register_hook(self._ended_hook(id(node), self.nodes[-1]))
+            except (AttributeError, RuntimeError, TypeError):
+                self._ends = None
         rec = self.nodes[-1]
-        rec.layouts.append(payload.layout)
+        # a matrix's layout (what a Function reading it in parts reads); None for another
+        # shape, which no Function reads in parts
+        rec.layouts.append(payload.layout if len(payload.shape) == 2 else None)
         shape = tuple(payload.shape)
         full = math.prod(shape) * 4
         kind = _closed_form(node, shape, self._param_ids)
@@ -166,13 +171,14 @@ class BackwardReads:
             rec.closed += 2 * _mat2_bytes(node, kind) + 8 * shape[-1] * 64
             rec.partial = True
 
-    def _ended_hook(self, node, rec: NodeReads):
-        """The post-hook that splits ``node``'s window where its backward returns: its own
-        rise (``rec.own``), then the rest (``rec.tail``). Not where another node's read
-        already ended the window (a nested backward inside the node)."""
+    def _ended_hook(self, node_id: int, rec: NodeReads):
+        """The post-hook that splits the window of the node ``node_id`` where its backward
+        returns: its own rise (``rec.own``), then the rest (``rec.tail``). Not where another
+        node's read already ended the window (a nested backward inside the node). It holds
+        the node's id, not the node (no reference cycle through the node's hooks)."""
 
         def hook(grad_inputs, grad_outputs):
-            if node is self._node and self.nodes and self.nodes[-1] is rec:
+            if id(self._node) == node_id and self.nodes and self.nodes[-1] is rec:
                 rec.own = max(0, self._live.since_mark() - rec.live)
                 self._live.mark()
 

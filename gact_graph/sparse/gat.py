@@ -1123,8 +1123,9 @@ _UNPACK_BYTES = 3
 
 
 def _codes_readable(lay) -> bool:
-    """Whether `_Codes` reads a compressed input of layout ``lay`` (`_Codes.of`)."""
-    return (
+    """Whether `_Codes` reads a compressed input of layout ``lay`` (`_Codes.of`); None (not
+    a matrix, which the probe hands whole) it does not."""
+    return lay is not None and (
         lay.groups_per_row == 1 and lay.num_groups > 0
         and lay.group_size == lay.rows_per_group * lay.cols
     )  # fmt: skip
@@ -1396,7 +1397,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
                 out.append(("destination", lay, span))
             return out
 
-        if any(not roles(lay) for lay in layouts):
+        if any(not roles(lay) for lay in parts):
             return None
         if walk:  # every compressed input read in parts, in any assignment of the roles
             options = [()] if not layouts else [(r,) for r in roles(layouts[0])]
@@ -1406,6 +1407,8 @@ class GatV2AttentionFunction(torch.autograd.Function):
                 ]
         else:  # one replayed (dense), the other (either) read in parts
             options = [()] + [(r,) for lay in parts for r in roles(lay)]
+        if not options:  # two compressed reads that cannot be one source, one destination
+            return None
         need = tuple(ctx.needs_input_grad[:3])
         args = (num_src, num_dst, num_edges, heads, channels, l_dtype, r_dtype, att_dtype,
                 ctx.dropout, permuted, ctx.chunk_bytes, *need)  # fmt: skip

@@ -458,3 +458,27 @@ def test_a_nodes_window_is_split_where_its_backward_returns():
     for rec in reads.nodes:
         assert rec.own is not None, rec
         assert rec.rise == max(rec.own, rec.tail), rec
+
+
+def test_gatv2_states_no_bound_for_reads_it_does_not_read_in_parts():
+    """A compressed input that is not a matrix (no layout: the probe hands it whole), two
+    inputs of a shape neither input has, or more than two compressed reads: no bound."""
+    import torch
+
+    from gact_graph.core.quantize import group_layout
+    from gact_graph.sparse import gat as sgat
+
+    n, heads, channels = 50, 2, 32
+    rowptr, col = _csr(n, 300, 3)
+    x_l = torch.randn(n, heads, channels, requires_grad=True)
+    x_r = torch.randn(n, heads, channels, requires_grad=True)
+    att = torch.randn(1, heads, channels, requires_grad=True)
+    node = sgat.gatv2_attention(x_l, x_r, att, rowptr, col).grad_fn
+    stated = node._forward_cls.lean_backward_bytes
+    lay = group_layout((n * heads, channels))
+    odd = group_layout((n * heads + 8, channels))
+    assert stated(node, [lay]) is not None and stated(node, [lay, lay], walk=True) is not None
+    assert stated(node, [lay, None]) is None and stated(node, [None], walk=True) is None
+    assert stated(node, [None]) is not None  # the one read replayed: handed dense
+    assert stated(node, [lay, odd]) is None and stated(node, [odd], walk=True) is None
+    assert stated(node, [lay] * 3) is None
