@@ -8,8 +8,9 @@ third's (the same plan). Bound: the planner's, after its profile step on the sam
 graph (``memory_budget="4GiB"``). CPU only (the bound from the profile step's counted reads).
 
 With ``--replays``: per model, the profile step's records of the nodes that read a compressed
-tensor in backward (`BackwardReads`: MiB live at the first read, the rise after it, the reads
-a replay dequantizes, the bound its Function states of its lean backward where it states one)
+tensor in backward (`BackwardReads`: MiB live at the first read, the rise after it and the
+node's own part of it, the bounds its Function states of its lean backward in a replay and in
+the walk where it states them, the reads a replay dequantizes)
 and, in the probed step, what was live when each replay began and how
 far the live bytes rose during it (`LiveBytes` around the step): where the bound's slack lies.
 
@@ -163,9 +164,13 @@ def replays(specs: list[str]) -> None:
               "a compressed tensor in backward, MiB:")  # fmt: skip
         for rec in nodes:
             reads = ", ".join(f"{r / MiB:.3f}" for r in rec.replayed) or "-"
-            lean = "-" if rec.lean is None else f"{rec.lean / MiB:.3f}"
-            print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f}  stated lean "
-                  f"{lean}  replays {reads}")  # fmt: skip
+
+            def mib(v):
+                return "-" if v is None else f"{v / MiB:.3f}"
+
+            print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f} (own {mib(rec.own)})"
+                  f"  stated lean {mib(rec.lean)}, in the walk {mib(rec.walk)}"
+                  f"  replays {reads}")  # fmt: skip
         print("  probed step (2 bits), per replay: live when it began, rise during it, MiB:")
         for node, start, rise in replay_rises(name, int(n)):
             print(f"  {node:32s} {start / MiB:7.3f} {rise / MiB:7.3f}", flush=True)

@@ -19,20 +19,24 @@ The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step hol
   accumulators (`ACC_COPIES` fp32 copies of the parameters). All of it on top of what the
   user's backward holds while that node runs, and of the replay's own run of the node's
   backward (under `lean_backward`): the node's rise in the profile step, or, where its
-  Function states a bound of that lean backward from its shapes (``lean_backward_bytes``,
-  e.g. `gact_graph.sparse.gat.GatAttentionFunction`) and the bound is less, the bound;
+  Function states a bound of that lean backward from its shapes and the layouts of the
+  compressed tensors the node read (``lean_backward_bytes``, e.g.
+  `gact_graph.sparse.gat.GatAttentionFunction` and `GatV2AttentionFunction`) and the bound
+  is less, the bound;
 - **the walk** that carries a replay's differences to the parameters, later in the backward:
   the differences (one gradient the size of the largest read) and the accumulators, on top of
   what a later node's backward holds while it runs (the walk runs a node's backward again,
-  no more than the user's backward of that node holds; its profiled rise, not a stated lean
-  bound: the walk's node dequantizes its compressed inputs inside its backward, which the
-  stated bound leaves out).
+  no more than the user's backward of that node holds: its profiled rise, or, where its
+  Function states a bound of its lean backward with every compressed read handed as the walk
+  hands it (``walk=True``; GATv2's reads them in parts) and the bound is less than the
+  node's own part of its rise, the bound beside the rest of the node's window).
 
 `BackwardReads` records, in the profile step (every tensor at 1 bit, so every candidate is
 compressed), per autograd node that reads compressed tensors: the bytes live when it first
 reads one, how far the live bytes rose until the next node's first read (the node's own
-backward), and what it read. `probe_need` turns those into the bound against the profile
-step's own peak: a node's probe work counts only by how far it exceeds that peak.
+backward, split where it returns: a post-hook), and what it read. `probe_need` turns those
+into the bound against the profile step's own peak: a node's probe work counts only by how
+far it exceeds that peak.
 """
 
 from __future__ import annotations
@@ -80,16 +84,32 @@ class NodeReads:
     partial: bool = False  # a closed form that carries a draw to parameters (not exact)
     lean: int | None = None  # what its Function states its lean backward holds at most
     noise: int = 0  # what making a replay's noisy copy holds at most (`noise_work`)
+    layouts: list = field(default_factory=list)  # group layouts of its compressed reads
+    own: int | None = None  # how far they rose until its backward returned (None: not seen)
+    tail: int = 0  # how far they rose (above ``live``) from then until the next node's read
+    walk: int | None = None  # what its Function states its backward holds in the walk
 
     def replay_rise(self) -> int:
         """What the replay rises by at most besides its copies and outputs: the profiled
-        rise, or, for a node of one compressed read (the replay hands it its own copy, so
-        its backward dequantizes nothing) whose Function states a bound of its backward
-        under `lean_backward`, that bound or the noisy copy's making (before the backward
-        runs) where either is more, if that is less."""
-        if self.lean is None or len(self.replayed) != 1:
+        rise, or, for a node whose Function states a bound of its backward under
+        `lean_backward` for the compressed reads it made (the replay hands the replayed one
+        as its own copy, the others as they are read there: `_stated_lean_bytes`), that
+        bound or the noisy copy's making (before the backward runs) where either is more,
+        if that is less."""
+        if self.lean is None:
             return self.rise
         return min(self.rise, max(self.lean, self.noise))
+
+    def walk_rise(self) -> int:
+        """What the probe's walk rises by at most when it runs this node again (its
+        compressed reads handed as the walk hands them, under `lean_backward`) or the nodes
+        after it until the next node's read: the profiled rise, or, where the node's own
+        part of it was seen (`BackwardReads` ends it at the node's post-hook) and its
+        Function states a bound of its backward in the walk, that bound where less than its
+        own part, beside the rest of the window."""
+        if self.own is None or self.walk is None:
+            return self.rise
+        return max(min(self.own, self.walk), self.tail)
 
 
 class BackwardReads:
@@ -101,6 +121,7 @@ class BackwardReads:
         self._live = live
         self.nodes: list[NodeReads] = []
         self._node: object | None = None
+        self._ends = None  # the current node's post-hook (`_ended_hook`)
         #: nodes that read a stored tensor whose unpack allocates besides their compressed
         #: reads: a replay of theirs does that inside the node, so no stated bound is used
         self._unpacking: set[int] = set()
@@ -123,17 +144,21 @@ class BackwardReads:
         if what != "activation" or not isinstance(payload, QTensor):
             if not isinstance(payload, torch.Tensor):  # its unpack makes a tensor (a swap)
                 self._unpacking.add(id(node))
-                if node is self._node and self.nodes:
-                    self.nodes[-1].lean = None
             return
         live = self._live
         if node is not self._node:
             self.close()
             self._node = node
-            lean = None if id(node) in self._unpacking else _stated_lean_bytes(node)
-            self.nodes.append(NodeReads(live.bytes, lean=lean))
+            self.nodes.append(NodeReads(live.bytes))
             live.mark()
+            try:  # a node that takes no hook keeps its whole window (``own`` stays None)
+                self._ends = node.register_hook(self._ended_hook(id(node), self.nodes[-1]))
+            except (AttributeError, RuntimeError, TypeError):
+                self._ends = None
         rec = self.nodes[-1]
+        # a matrix's layout (what a Function reading it in parts reads); None for another
+        # shape, which no Function reads in parts
+        rec.layouts.append(payload.layout if len(payload.shape) == 2 else None)
         shape = tuple(payload.shape)
         full = math.prod(shape) * 4
         kind = _closed_form(node, shape, self._param_ids)
@@ -146,20 +171,55 @@ class BackwardReads:
             rec.closed += 2 * _mat2_bytes(node, kind) + 8 * shape[-1] * 64
             rec.partial = True
 
+    def _ended_hook(self, node_id: int, rec: NodeReads):
+        """The post-hook that splits the window of the node ``node_id`` where its backward
+        returns: its own rise (``rec.own``), then the rest (``rec.tail``). Not where another
+        node's read already ended the window (a nested backward inside the node). It holds
+        the node's id, not the node (no reference cycle through the node's hooks)."""
+
+        def hook(grad_inputs, grad_outputs):
+            if id(self._node) == node_id and self.nodes and self.nodes[-1] is rec:
+                rec.own = max(0, self._live.since_mark() - rec.live)
+                self._live.mark()
+
+        return hook
+
     def close(self) -> None:
-        """End the current node's window (the next node reads, or the step ends)."""
+        """End the current node's window (the next node reads, or the step ends), and ask
+        its Function for its stated bounds, now that its reads are known (none for a node
+        that also read a stored tensor whose unpack allocates: a replay of it does that
+        inside the node)."""
         if self._node is not None and self.nodes:
             rec = self.nodes[-1]
-            rec.rise = max(0, self._live.since_mark() - rec.live)
+            after = max(0, self._live.since_mark() - rec.live)
+            if rec.own is None:
+                rec.rise = after
+            else:
+                rec.tail = after
+                rec.rise = max(rec.own, after)
+            if id(self._node) not in self._unpacking:
+                rec.lean = _stated_lean_bytes(self._node, rec.layouts)
+                rec.walk = _stated_lean_bytes(self._node, rec.layouts, walk=True)
+        if self._ends is not None:
+            self._ends.remove()
+            self._ends = None
         self._node = None
 
 
-def _stated_lean_bytes(node) -> int | None:
+def _stated_lean_bytes(node, layouts: list, walk: bool = False) -> int | None:
     """The bound a custom autograd Function's node states of its backward under
-    `lean_backward` (a ``lean_backward_bytes(ctx)`` static method, e.g.
-    `gact_graph.sparse.gat.GatAttentionFunction`), or None."""
+    `lean_backward` in the probe's replay of one of its compressed reads, or with ``walk``
+    in the probe's walk through it (every compressed read handed as the walk hands it): a
+    ``lean_backward_bytes(ctx, layouts, walk=False)`` static method, ``layouts`` the group
+    layouts of the compressed tensors the node read, in order (e.g.
+    `gact_graph.sparse.gat.GatAttentionFunction`, `GatV2AttentionFunction`); or None: the
+    Function states none, or none for those reads (a run that would dequantize a read
+    whole inside the node)."""
     stated = getattr(getattr(node, "_forward_cls", None), "lean_backward_bytes", None)
-    return None if stated is None else int(stated(node))
+    if stated is None:
+        return None
+    bound = stated(node, list(layouts), walk=walk)
+    return None if bound is None else int(bound)
 
 
 def _closed_form(node, shape: tuple[int, ...], param_ids: set[int]) -> tuple[int, bool] | None:
@@ -227,7 +287,7 @@ def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: 
     live_on, rise_on = [0] * (len(nodes) + 1), [0] * (len(nodes) + 1)
     for i in range(len(nodes) - 1, -1, -1):
         live_on[i] = max(live_on[i + 1], nodes[i].live)
-        rise_on[i] = max(rise_on[i + 1], nodes[i].rise)
+        rise_on[i] = max(rise_on[i + 1], nodes[i].walk_rise())
     for i, n in enumerate(nodes):
         work = n.closed + (acc if n.partial else 0)
         if n.replayed:

@@ -575,12 +575,18 @@ class GatAttentionFunction(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    def lean_backward_bytes(ctx) -> int:
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
         """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
         at once (its outputs included, its saved inputs and ``grad_out`` not), from the shapes
         the forward recorded: what the memory-budget planner counts for the sensitivity probe's
-        replay of this node (`gact_graph.budget.probe_cost`). `_lean_gat_backward_bytes`
-        derives it from the code of `backward`."""
+        replay of this node (`gact_graph.budget.probe_cost`), which hands the replayed input
+        as a dense copy. None where ``layouts`` (those of the compressed inputs the node read)
+        holds more than one (the replay of one would dequantize another whole inside the
+        node), and for the probe's walk (``walk``: its compressed inputs are dequantized whole
+        inside the node, which this bound leaves out). `_lean_gat_backward_bytes` derives it
+        from the code of `backward`."""
+        if walk or len(list(layouts)) > 1:
+            return None
         num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype, permuted = (
             ctx.shapes
         )
@@ -1114,6 +1120,185 @@ def _gatv2_logits(
     return logit
 
 
+#: bytes per quantization group that decoding a compressed input's metadata holds at once at
+#: most (`decode_meta`: its int64 copy of the metadata and the int64 / fp32 / bool temporaries
+#: of each bit pattern it forms, with room), and per (node, head) row while `_Codes` expands
+#: the per-group ``lo`` and ``scale`` to rows (an int64 index and the fp32 result)
+_META_GROUP_BYTES, _META_ROW_BYTES = 160, 24
+#: bytes per code that unpacking held at once at most, over the code widths a plan may choose
+#: (`unpack_bits`: at 4 bits the int32 copy of the packed bytes, two bytes a code, and the
+#: uint8 codes)
+_UNPACK_BYTES = 3
+
+
+def _codes_readable(lay) -> bool:
+    """Whether `_Codes` reads a compressed input of layout ``lay`` (`_Codes.of`); None (not
+    a matrix, which the probe hands whole) it does not."""
+    return lay is not None and (
+        lay.groups_per_row == 1 and lay.num_groups > 0
+        and lay.group_size == lay.rows_per_group * lay.cols
+    )  # fmt: skip
+
+
+def _gatv2_span_codes(rowptr: Tensor, num_edges: int, chunk: int, heads: int, lay) -> int:
+    """The most codes `_DestinationRows.gather` unpacks at once from a compressed ``x_r`` of
+    layout ``lay`` (`_Codes.codes` of a gather chunk's destination rows, from the group its
+    first row lies in): exact, from the CSR's rows of each gather chunk's first and last
+    edge (one host sync)."""
+    if num_edges == 0:
+        return 0
+    k = lay.rows_per_group
+    align = k // math.gcd(k, heads)
+    starts = torch.arange(0, num_edges, chunk, dtype=torch.int64, device=rowptr.device)
+    ends = (starts + chunk).clamp_(max=num_edges).sub_(1)
+    d0 = torch.searchsorted(rowptr, starts.to(rowptr.dtype), right=True).sub_(1).to(torch.int64)
+    d1 = torch.searchsorted(rowptr, ends.to(rowptr.dtype), right=True).sub_(1).to(torch.int64)
+    base = d0 - d0 % align
+    first = base * heads // k
+    last = ((d1 + 1) * heads + k - 1) // k
+    return int((last - first).max()) * lay.group_size
+
+
+def _gatv2_reader_bytes(role: str, lay, c: int, heads: int, channels: int, item: int,
+                        span_codes: int) -> tuple[int, int, int, int]:  # fmt: skip
+    """What reading a compressed GATv2 input of layout ``lay`` in parts (``role`` "source":
+    `_SourceRows`, "destination": `_DestinationRows`, both through `_Codes`) holds:
+    ``(kept, made, peak, result)``: bytes kept from the reader's making to the end of the
+    backward, at most held while it is made, at most held by one gather of ``c`` edges, and
+    the gather's result (``item`` bytes an element)."""
+    rows, groups = lay.rows, lay.num_groups
+    lo_scale = 8 * groups * lay.rows_per_group  # fp32 lo and scale per (node, head) row
+    meta = _META_GROUP_BYTES * groups + _META_ROW_BYTES * groups * lay.rows_per_group
+    hc = heads * channels
+    # a gather's decoding: the uint8 codes gathered, their fp32 values, the gathered lo and
+    # scale, and the values in the input's dtype where it is not fp32
+    decode = c * hc * (1 + 4 + (item if item != 4 else 0)) + 8 * c * heads
+    result = c * hc * item
+    if role == "source":  # every code unpacked once (one byte each), then gathered
+        codes = groups * lay.group_size
+        return lo_scale + codes, max(meta, lo_scale + _UNPACK_BYTES * codes), decode, result
+    # a gather chunk's destination rows unpacked, then gathered by destination
+    del rows
+    unpack = max(_UNPACK_BYTES * span_codes, span_codes + 8 * c + c * hc)
+    return lo_scale, meta, max(unpack, decode), result
+
+
+def _lean_gatv2_backward_bytes(
+    num_src: int,
+    num_dst: int,
+    num_edges: int,
+    heads: int,
+    channels: int,
+    l_dtype: torch.dtype,
+    r_dtype: torch.dtype,
+    att_dtype: torch.dtype,
+    p: float,
+    permuted: bool,
+    chunk_bytes: int,
+    need_l: bool,
+    need_r: bool,
+    need_att: bool,
+    readers: tuple = (),
+) -> int:
+    """Upper bound of the bytes `GatV2AttentionFunction.backward` under `lean_backward`
+    creates and holds at once (tensors it allocates, its outputs included; not its inputs),
+    read off its code as `_lean_gat_backward_bytes` is: the most over its phases, every
+    tensor an edge-chunk iteration allocates counted as alive together. ``readers``: per
+    input handed compressed and read in parts, ``(role, layout, span_codes)``
+    (`_gatv2_reader_bytes`); the others are dense (the replay's noisy copy, or a tensor kept
+    as it is). Per gather chunk of ``c`` edges and wide chunk of
+    ``w = c * C`` (``H`` heads, ``a`` bytes per accumulated element, ``o`` per output
+    element):
+
+    - always: the readers' kept bytes (codes, per-row lo and scale), the destinations of a
+      wide chunk and of the one before it, the marks of its rows, the chunk starts' tensors;
+    - making the readers: the metadata's decoding, the source codes' unpacking, the gather
+      chunks' bounds;
+    - the logits (E x H, kept until the second pass): per gather the destination rows'
+      gather, its accumulator copy (``z``), the source rows' gather added into it;
+    - the softmax statistics (N_dst x H twice): per wide chunk the scores' copy and the
+      gathered max, and the first loop's last copy;
+    - the dropout draw: its ``o``-sized noise, the bool mask, the permuted mask;
+    - the first pass: ``grad alpha`` (E x H), ``dot``, ``grad x_l`` (N_src x H x C); per
+      wide chunk alpha (two w x H while made), the multiplier, ``beta``, and per gather the
+      incoming gradient's gather with its accumulator copy and the source rows' gather with
+      its copy, or ``alpha * grad alpha``;
+    - the second pass: per wide chunk alpha and ``dot`` gathered;
+    - the third pass: ``grad x_r`` (N_dst x H x C), ``grad att``; per gather ``z`` and either
+      gather, or the leaky ReLU of ``z`` with the einsum's operand copies and result, or
+      the slope and its bool mask;
+    - at the end the outputs' copies in their input dtypes where they differ from ``a``,
+      with the logits' gradient (the third pass's last view of it holds it).
+
+    Zero-dimensional tensors (the multiplier of ``p == 1``) are covered by a fixed 1 KiB."""
+    acc = _acc_dtype(l_dtype)
+    out_dtype = torch.promote_types(l_dtype, att_dtype)
+    a, o = _item(acc), _item(out_dtype)
+    li, ri, ti = _item(l_dtype), _item(r_dtype), _item(att_dtype)
+    h, hc = heads, heads * channels
+    item = torch.finfo(acc).bits // 8
+    quarter = num_src * hc * item // 4
+    c = edge_chunk_size(num_edges, heads, channels, l_dtype, min(chunk_bytes, quarter))
+    wide = max(1, c * channels)
+    w = min(wide, num_edges)
+    c = min(c, max(w, 1))
+    n_wide = -(-num_edges // wide)
+    n_gather = -(-num_edges // max(c, 1))
+
+    # the two inputs' gathers: (kept, made, peak, result) per role
+    src = (0, 0, c * hc * li, c * hc * li)
+    dst = (0, 0, c * hc * ri, c * hc * ri)
+    bounds = 0
+    for role, lay, span in readers:
+        if role == "source":
+            src = _gatv2_reader_bytes(role, lay, c, h, channels, li, span)
+        else:
+            dst = _gatv2_reader_bytes(role, lay, c, h, channels, ri, span)
+            bounds = 32 * n_gather  # the gather chunks' first and last edges and their rows
+    kept = src[0] + dst[0]
+    z = c * hc * a
+
+    def to_acc(peak: int, result: int, size: int) -> int:  # a gather and its copy to ``a``
+        return max(peak, result + z if size != a else 0)
+
+    src_acc, dst_acc = to_acc(src[2], src[3], li), to_acc(dst[2], dst[3], ri)
+    drawn = 0.0 < p < 1.0 and num_edges * h > 0
+    mask = num_edges * h if drawn else 0
+    logit = num_edges * h * a
+    stats = 2 * num_dst * h * a
+    index = 16 * w + 16 * (num_dst + 1) + 48 * n_wide
+    att_acc = hc * a if ti != a else 0
+    g_l = num_src * hc * a if need_l else 0
+    g_r = num_dst * hc * a if need_r else 0
+    g_att = hc * a if need_att else 0
+    wh = w * h
+
+    phases = [kept + max(dst[1], dst[0] + src[1]) + bounds + 48 * n_wide]
+    phases.append(kept + logit + att_acc + index + max(dst_acc, z + src[2]))
+    # the first loop's last scores stay bound through the second loop's copy and gather
+    phases.append(kept + logit + stats + index + 3 * wh * a)
+    if drawn:
+        phases.append(kept + logit + stats + num_edges * h * (o + 1 + int(permuted)))
+    g_out = c * hc * (o + (a if o != a else 0))
+    inner = max(g_out, z + src_acc, wh * a)
+    it = max(2 * wh * a, wh * a + (wh * o if drawn else 0) + (wh * a if drawn and need_l else 0)
+             + inner)  # fmt: skip
+    g_alpha = logit + num_dst * h * a  # grad alpha (E x H) and dot
+    phases.append(kept + logit + stats + mask + g_alpha + g_l + index + it)
+    phases.append(kept + logit + stats + g_alpha + g_l + index + 2 * wh * a)
+    att_work = 2 * z + c * h * a + hc * a if need_att else 0
+    it = max(dst_acc, z + src[2], z + att_work, z + z + c * hc)
+    phases.append(kept + logit + g_l + g_r + g_att + att_acc + index + it)
+    ends = (
+        (num_src * hc * li if need_l and l_dtype != acc else 0)
+        + (num_dst * hc * ri if need_r and r_dtype != acc else 0)
+        + (hc * ti if need_att and att_dtype != acc else 0)
+    )
+    # the third pass's last view of the logits' gradient keeps it (E x H) to the end
+    phases.append(kept + logit + g_l + g_r + g_att + index + ends)
+    return max(phases) + 1024
+
+
 class GatV2AttentionFunction(torch.autograd.Function):
     """The edge stage of `GATv2Conv` on a destination-sorted CSR.
 
@@ -1168,6 +1353,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
         # (N * H) x C views where they are views (see the class docstring); one tensor when
         # x_l is x_r (shared weights), saved once
         same = x_r is x_l
+        num_src, l_dtype, r_dtype = x_l.shape[0], x_l.dtype, x_r.dtype
         if x_l.is_contiguous():
             x_l = x_l.view(-1, x_l.shape[-1])
         if same:
@@ -1178,7 +1364,67 @@ class GatV2AttentionFunction(torch.autograd.Function):
         ctx.negative_slope = float(negative_slope)
         ctx.dropout = float(dropout)
         ctx.chunk_bytes = int(chunk_bytes)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked);
+        # the CSR's row starts (the adjacency's own tensor, no copy) give the destination
+        # rows a gather chunk spans
+        ctx.shapes = (
+            num_src, num_dst, num_edges, heads, x_l.shape[-1], l_dtype, r_dtype, att.dtype,
+            perm is not None,
+        )  # fmt: skip
+        ctx.rowptr = rowptr
         return out.to(out_dtype)
+
+    @staticmethod
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its outputs included, its saved inputs and ``grad_out`` not) in the sensitivity
+        probe's work (`gact_graph.budget.probe_cost`), ``layouts`` the group layouts of the
+        compressed inputs the node read (`gact_graph.core.quantize.QTensor.layout`), in the
+        order it read them: in a replay of one of them (``walk`` false) that one is handed as
+        the replay's dense copy and the other, if compressed, handed compressed and read in
+        parts (`reads_row_chunks`); in the probe's walk through the node (``walk``) every
+        compressed one is. At any code width; the most over which input is replayed and
+        which role (source or destination) a compressed one may have (its rows tell, where
+        the node counts differ). None where a layout read in parts is not one `_Codes` reads
+        (the backward would dequantize it whole) or more than two are compressed.
+        `_lean_gatv2_backward_bytes` derives it from the code of `backward`."""
+        num_src, num_dst, num_edges, heads, channels, l_dtype, r_dtype, att_dtype, permuted = (
+            ctx.shapes
+        )
+        layouts = list(layouts)
+        parts = layouts if walk or len(layouts) == 2 else []  # those read in parts
+        if len(layouts) > 2 or not all(map(_codes_readable, parts)):
+            return None
+        acc = _acc_dtype(l_dtype)
+        quarter = num_src * heads * channels * (torch.finfo(acc).bits // 8) // 4
+        chunk = edge_chunk_size(num_edges, heads, channels, l_dtype,
+                                min(ctx.chunk_bytes, quarter))  # fmt: skip
+
+        def roles(lay) -> list:  # what reading ``lay`` in parts can be
+            out = []
+            if lay.rows == num_src * heads:
+                out.append(("source", lay, 0))
+            if lay.rows == num_dst * heads:
+                span = _gatv2_span_codes(ctx.rowptr, num_edges, chunk, heads, lay)
+                out.append(("destination", lay, span))
+            return out
+
+        if any(not roles(lay) for lay in parts):
+            return None
+        if walk:  # every compressed input read in parts, in any assignment of the roles
+            options = [()] if not layouts else [(r,) for r in roles(layouts[0])]
+            if len(layouts) == 2:
+                options = [
+                    (a, b) for a in roles(layouts[0]) for b in roles(layouts[1]) if a[0] != b[0]
+                ]
+        else:  # one replayed (dense), the other (either) read in parts
+            options = [()] + [(r,) for lay in parts for r in roles(lay)]
+        if not options:  # two compressed reads that cannot be one source, one destination
+            return None
+        need = tuple(ctx.needs_input_grad[:3])
+        args = (num_src, num_dst, num_edges, heads, channels, l_dtype, r_dtype, att_dtype,
+                ctx.dropout, permuted, ctx.chunk_bytes, *need)  # fmt: skip
+        return max(_lean_gatv2_backward_bytes(*args, readers=r) for r in options)
 
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
