@@ -1,5 +1,6 @@
 """Fixtures shared by several test modules: the real Cora files, the copy-paste examples of
-docs/integrations.md, and one torch thread for tests of tiny sparse ops."""
+docs/integrations.md, one torch thread for tests of tiny sparse ops, and the one process
+that runs the kernel test files under Triton's interpreter."""
 
 import os
 import re
@@ -12,6 +13,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from gact_graph.cpus import usable_cpus
+from tests.kernels.interpreted import InterpretedRuns
 
 # torch counts the machine's CPUs; a container or CI job granted fewer (affinity, cgroup quota)
 # oversubscribes and every OpenMP barrier waits: the suite ran 10-70x slower that way.
@@ -102,3 +104,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def interpreted_runs(request, tmp_path_factory):
+    """The test files that re-run under Triton's interpreter, all in one fresh process
+    (`tests.kernels.interpreted.interpreter_test`)."""
+    return InterpretedRuns(request.session, tmp_path_factory.mktemp("interpreted"))

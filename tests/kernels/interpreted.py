@@ -1,9 +1,11 @@
 """What the Triton kernel tests share: where a kernel runs (CUDA, or the CPU under Triton's
 interpreter, which ``TRITON_INTERPRET=1`` switches on only if set before Triton is imported:
 the conftest's imports (PyG) import Triton first), the mark that skips a kernel test
-elsewhere, and the run of a test file again in a fresh interpreter with that variable set."""
+elsewhere, and the run of test files again in one fresh interpreter with that variable set
+(where it is set, the interpreter's repeated patching of ``triton.language`` is skipped)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +26,68 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def _patch_interpreter_once_per_launch() -> None:
+    """Under ``TRITON_INTERPRET=1``, Triton's interpreter re-patches ``triton.language`` (an
+    ``inspect.getmembers`` walk over its modules) at every call of a ``@triton.jit`` helper
+    inside a kernel, though the launch around it has patched the same modules already (most
+    of what a helper call costs there). This skips the repeat while a launch's patch is in
+    effect and the helper sees no language module patched for none of its callers (what the
+    interpreter runs is unchanged); a Triton without these internals is left as it is."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or executor is None or scope_type is None:
+        return
+    import inspect
+
+    langs_of = {}
+    state = {"launching": False, "patched": None}
+
+    def langs(fn) -> frozenset:
+        key = id(fn.__globals__)
+        if key not in langs_of:
+            mods = (interpreter.tl, interpreter.tl.core)
+            langs_of[key] = frozenset(
+                id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in mods
+            )
+        return langs_of[key]
+
+    def once(fn):
+        if state["launching"]:  # the launch's own patch
+            state["launching"] = False
+            state["patched"] = langs(fn)
+            return patch_lang(fn)
+        if state["patched"] is None:
+            return patch_lang(fn)
+        if langs(fn) <= state["patched"]:
+            return scope_type()  # in effect already: nothing to patch or restore
+        # a helper's call never restores its patch, so it stays for the rest of the launch
+        scope = patch_lang(fn)
+        state["patched"] = state["patched"] | langs(fn)
+        return scope
+
+    launch = executor.__call__
+
+    def call(self, *args, **kwargs):
+        outer = state["patched"]
+        state["launching"] = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state["launching"], state["patched"] = False, outer
+
+    interpreter._patch_lang = once
+    executor.__call__ = call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_once_per_launch()
+
+
 def kernel_test(f):
     """`needs_kernels`, and the ``cuda`` mark: the GPU suite's ``pytest -m cuda`` runs the
     test compiled on the device."""
@@ -37,15 +101,92 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def run_interpreted(test_file: str, select: str = "not subprocess", **env: str) -> None:
-    """Run ``test_file``'s tests that ``-k select`` picks in a fresh process under Triton's
-    interpreter (``env`` added to its environment), and assert that all of them passed and
-    none was skipped."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file]
-    cmd += ["-k", select, "-W", "ignore::RuntimeWarning"]
-    res = subprocess.run(
-        cmd, env=subprocess_env(TRITON_INTERPRET="1", **env), cwd=REPO,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
+#: what the shared fresh process runs: for each case (a test file, its ``-k`` selection and the
+#: environment variables set while it runs), a ``pytest.main`` run in that one process (each
+#: new process imports torch, PyG and Triton again), and the outcomes it counted, as JSON
+DRIVER = r"""
+import contextlib, io, json, os, sys
+import pytest
+import torch
+
+class Outcomes:
+    def __init__(self):
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.counts[report.outcome] += 1
+
+cases, out_path = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for case in cases:
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update(case["env"])
+    if "OMP_NUM_THREADS" in case["env"]:
+        torch.set_num_threads(int(case["env"]["OMP_NUM_THREADS"]))
+    outcomes, text = Outcomes(), io.StringIO()
+    args = ["-q", "-x", "-p", "no:cacheprovider", case["file"], "-k", case["select"],
+            "-W", "ignore::RuntimeWarning"]
+    try:
+        with contextlib.redirect_stdout(text):
+            rc = int(pytest.main(args, plugins=[outcomes]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+    results[case["file"]] = dict(rc=rc, **outcomes.counts, output=text.getvalue()[-4000:])
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+"""
+
+
+def interpreter_test(select: str = "not subprocess", **env: str):
+    """The test that runs its file's tests that ``-k select`` picks under Triton's
+    interpreter (``env`` set meanwhile), and asserts that all of them passed and none was
+    skipped. Every such test of a pytest session shares one fresh process
+    (`InterpretedRuns`); define it in a test file as ``test_interpreter_in_subprocess``."""
+
+    @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
+    @pytest.mark.interpreted_run(select=select, env=env)
+    def test_interpreter_in_subprocess(interpreted_runs, request):
+        interpreted_runs.check(request.node)
+
+    return test_interpreter_in_subprocess
+
+
+class InterpretedRuns:
+    """The session's interpreted runs: at the first `check`, every selected test marked
+    ``interpreted_run`` has its file run in one fresh process with ``TRITON_INTERPRET=1``."""
+
+    def __init__(self, session: pytest.Session, tmp: Path):
+        self.session, self.out = session, tmp / "interpreted.json"
+        self.results: dict | None = None
+        self.failure = ""
+
+    def _cases(self) -> list[dict]:
+        cases = []
+        for item in self.session.items:
+            mark = item.get_closest_marker("interpreted_run")
+            if mark is not None:
+                cases.append(dict(file=str(item.path), **mark.kwargs))
+        return cases
+
+    def _run(self, cases: list[dict]) -> None:
+        cmd = [sys.executable, "-c", DRIVER, json.dumps(cases), str(self.out)]
+        res = subprocess.run(
+            cmd, env=subprocess_env(TRITON_INTERPRET="1"), cwd=REPO,
+            capture_output=True, text=True, timeout=1500,
+        )  # fmt: skip
+        self.results = json.loads(self.out.read_text()) if self.out.exists() else {}
+        if res.returncode != 0:
+            self.failure = res.stdout[-4000:] + res.stderr[-4000:]
+
+    def check(self, item: pytest.Item) -> None:
+        if self.results is None:
+            cases = self._cases()
+            assert str(item.path) in {c["file"] for c in cases}, item.nodeid
+            self._run(cases)
+        got = self.results.get(str(item.path))
+        assert got is not None, f"{item.path} did not run: {self.failure}"
+        assert got["rc"] == 0 and got["failed"] == 0, got["output"]
+        assert got["passed"] > 0 and got["skipped"] == 0, got["output"]

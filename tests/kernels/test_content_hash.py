@@ -16,9 +16,8 @@ from gact_graph.sparse import adjacency
 from tests.kernels.interpreted import (
     DEVICE,
     HAS_TRITON,
-    INTERPRETED,
+    interpreter_test,
     kernel_test,
-    run_interpreted,
 )
 
 
@@ -113,6 +112,4 @@ def test_bad_input_is_named():
         ch.triton_hash_pair(torch.zeros(3, dtype=torch.bool), *args)
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_interpreter_in_subprocess():
-    run_interpreted(__file__, OMP_NUM_THREADS="1")
+test_interpreter_in_subprocess = interpreter_test(OMP_NUM_THREADS="1")

@@ -21,8 +21,8 @@ from tests.kernels.interpreted import (
     HAS_CUDA,
     HAS_TRITON,
     INTERPRETED,
+    interpreter_test,
     needs_kernels,
-    run_interpreted,
 )
 
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
@@ -657,6 +657,4 @@ def test_kernels_compile_for_hopper_without_a_gpu(name, coded):
 
 
 # ---------------------------------------------------------------------------- interpreter
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_interpreter_in_subprocess():
-    run_interpreted(__file__, "not subprocess and not cuda and not compile")
+test_interpreter_in_subprocess = interpreter_test("not subprocess and not cuda and not compile")

@@ -15,7 +15,7 @@ import torch
 
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
-from tests.kernels.interpreted import DEVICE, HAS_TRITON, INTERPRETED, kernel_test, run_interpreted
+from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 from tests.kernels.test_gat_edge import TOL, assert_close, graph
 
 #: (channels, group size): groups of several whole rows with padding (5 x 3 = 15 of 16), of
@@ -203,6 +203,4 @@ def test_coded_features_refuse_what_they_cannot_read():
     assert codes.shape == (4, 3, 5) and codes.meta.dtype == torch.int32
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_interpreter_in_subprocess():
-    run_interpreted(__file__)
+test_interpreter_in_subprocess = interpreter_test()

@@ -22,8 +22,8 @@ from tests.kernels.interpreted import (
     HAS_TRITON,
     INTERPRETED,
     REPO,
+    interpreter_test,
     needs_kernels,
-    run_interpreted,
 )
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -241,10 +241,9 @@ def test_cuda_large_matches_reference():
     assert_matches_reference(torch.randn(70000, 7, device="cuda", dtype=torch.bfloat16), 4)
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_interpreter_in_subprocess():
-    run_interpreted(__file__, "not subprocess and not cuda and not compiled",
-                    GACT_GRAPH_FORCE_TRITON="1")  # fmt: skip
+test_interpreter_in_subprocess = interpreter_test(
+    "not subprocess and not cuda and not compiled", GACT_GRAPH_FORCE_TRITON="1"
+)
 
 
 def test_our_modules_import_neither_triton_nor_cuda():

@@ -14,10 +14,8 @@ from gact_graph.core.quantize import pack_bool_mask
 from gact_graph.kernels.bitpack import PackedMask, pack_mask
 from tests.kernels.interpreted import (
     DEVICE,
-    HAS_TRITON,
-    INTERPRETED,
+    interpreter_test,
     kernel_test,
-    run_interpreted,
 )
 
 
@@ -101,9 +99,4 @@ def test_controller_stores_masks_with_the_kernel(monkeypatch):
         assert torch.equal(g, r)
 
 
-def test_interpreter_in_subprocess():
-    if not HAS_TRITON:
-        pytest.skip("needs Triton")
-    if INTERPRETED:
-        pytest.skip("already interpreted")
-    run_interpreted(__file__, OMP_NUM_THREADS="1")
+test_interpreter_in_subprocess = interpreter_test(OMP_NUM_THREADS="1")

@@ -16,7 +16,7 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
 from gact_graph.sparse import gat as sgat
-from tests.kernels.interpreted import DEVICE, HAS_TRITON, INTERPRETED, kernel_test, run_interpreted
+from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 from tests.sparse.allocations import LargeAllocations
 from tests.sparse.quantized_saves import dequantized, saved_as
 
@@ -232,6 +232,4 @@ def test_kernel_features_of_each_kind():
     torch.testing.assert_close(sgat._kernel_features(Other(), x.shape), x)
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_interpreter_in_subprocess():
-    run_interpreted(__file__)
+test_interpreter_in_subprocess = interpreter_test()
