@@ -8,8 +8,8 @@ same step with that path switched off (`ROWS_IN_EVERY_STEP`); with grad mode on 
 is `Stored.unpack`'s; a step the sensitivity probe watches is handed dense copies (the probe
 writes its noise into them) and gives the same estimates.
 
-The fused Triton path runs here under Triton's CPU interpreter
-(``test_fused_in_subprocess`` re-runs the file with ``TRITON_INTERPRET=1``), at a tiny size.
+The fused Triton path runs here under Triton's CPU interpreter at a tiny size
+(``test_interpreter_in_subprocess`` re-runs its fused test with ``TRITON_INTERPRET=1``).
 """
 
 import pytest
@@ -23,7 +23,7 @@ from gact_graph.core.controller import Stored
 from gact_graph.core.quantize import quantize
 from gact_graph.models import build_model
 from gact_graph.sparse import gat as sgat
-from tests.kernels.interpreted import DEVICE, HAS_TRITON, INTERPRETED, kernel_test, run_interpreted
+from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 
 
 @pytest.fixture
@@ -234,6 +234,4 @@ def test_fused_step_gradients_bit_for_bit(monkeypatch, handed):
     _assert_same(out[True], out[False])
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
-def test_fused_in_subprocess():
-    run_interpreted(__file__, select="fused and not subprocess")
+test_interpreter_in_subprocess = interpreter_test(select="fused and not subprocess")
