@@ -29,37 +29,52 @@ if str(ROOT) not in sys.path:  # run as a script: import the checkout's package
     sys.path.insert(0, str(ROOT))
 
 
-def _run(model_key: str, steps: int, **kw) -> dict:
+def counted_steps(model, ctl, graph, steps: int, lr: float = 1e-3, counted=None) -> list[int]:
+    """Train ``model`` (compressed by ``ctl``) ``steps`` Adam steps on ``graph`` = ``(x,
+    edge_index, y)``: each step's peak in counted tensor bytes, what the planner's counted
+    meter sees (parameters, ``x`` and ``edge_index``, and what earlier steps left alive:
+    `PeakBytes` around the whole step, ``ctl.iterate()`` included). Appended to ``counted``
+    (a new list by default) as each step ends, so a step that raises leaves the earlier ones."""
     import torch
     import torch.nn.functional as F
+
+    from gact_graph.budget.profile import PeakBytes
+
+    x, ei, y = graph
+    static = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    static += sum(t.untyped_storage().nbytes() for t in (x, ei))
+    opt = torch.optim.Adam(model.parameters(), lr)
+    table, counted = {}, [] if counted is None else counted
+    for _ in range(steps):
+        with PeakBytes(table) as counter:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x, ei), y).backward()
+            opt.step()
+            ctl.iterate()
+        counted.append(static + counter.peak)
+    return counted
+
+
+def _run(model_key: str, steps: int, **kw) -> dict:
+    import torch
 
     from benchmarks.budget import MODELS, _graph, _stats
     from benchmarks.harness import build_model
     from gact_graph import compress_gnn
     from gact_graph.budget import BudgetError
-    from gact_graph.budget.profile import PeakBytes
 
     name, layers, nodes = MODELS[model_key][:3]
     st = _stats(model_key)
     x, ei, y = _graph(nodes, st["features"], classes=st["classes"], degree=st["degree"])
     torch.manual_seed(0)
     model = build_model(name, st["features"], st["classes"], num_layers=layers, hidden_channels=64)
-    static = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    static += sum(t.untyped_storage().nbytes() for t in (x, ei))
     ctl = compress_gnn(model, **kw)
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    table, counted = {}, []
+    counted: list[int] = []
     out: dict = {"setting": {k: v for k, v in kw.items()}}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for _ in range(steps):
-                with PeakBytes(table) as counter:
-                    opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(model(x, ei), y).backward()
-                    opt.step()
-                    ctl.iterate()
-                counted.append(static + counter.peak)
+            counted_steps(model, ctl, (x, ei, y), steps, counted=counted)
     except BudgetError as e:
         out.update(refused=str(e), least=e.least_budget)
     out["counted"] = counted

@@ -31,28 +31,17 @@ CASES = [
 #: known. Per model: what the probe adds and the two bounds.
 RUN = r"""
 import json, sys, warnings
-import torch
-import torch.nn.functional as F
 from benchmarks.budget_probe_cost import bounds, graph, make, measured
+from benchmarks.budget_worst_step import counted_steps
 from gact_graph import compress_gnn
-from gact_graph.budget.profile import PeakBytes
 
 warnings.simplefilter("ignore")
 
 
 def run(steps, **kw):
-    model, (x, ei, y) = make("gcn"), graph(3000)
-    static = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    static += sum(t.untyped_storage().nbytes() for t in (x, ei))
+    model, g = make("gcn"), graph(3000)
     ctl = compress_gnn(model, **kw)
-    opt, table, peaks = torch.optim.Adam(model.parameters(), 1e-3), {}, []
-    for _ in range(steps):
-        with PeakBytes(table) as counter:
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x, ei), y).backward()
-            opt.step()
-            ctl.iterate()
-        peaks.append(static + counter.peak)
+    peaks = counted_steps(model, ctl, g, steps)
     planner = getattr(ctl, "budget", None)
     history = [] if planner is None else [
         {k: h[k] for k in ("phase", "probe", "measured")} for h in planner.history

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.budget_gcnii64 import StockGCNII
+from benchmarks.budget_worst_step import counted_steps
 from gact_graph import compress_gnn
 from gact_graph.budget import BudgetError
 from gact_graph.cpus import usable_cpus
@@ -221,26 +222,14 @@ def test_budget_rectify_false_still_says_a_step_exceeded(monkeypatch):
 def _counted_steps(steps: int = 3, **kw) -> tuple[list[int], object]:
     """Every step's peak in counted tensor bytes (parameters, inputs and what earlier steps
     left alive included, as the planner's counted meter sees them), GCNII-24 on 1,500 nodes."""
-    from gact_graph.budget.profile import PeakBytes
-
     torch.manual_seed(0)
     model = StockGCNII(16, 4, 24, 32)
     x, ei, y = _graph(1500)
     ei = torch.cat([ei, ei.flip(0)], 1)
-    static = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    static += sum(t.untyped_storage().nbytes() for t in (x, ei))
     ctl = compress_gnn(model, **kw)
-    opt = torch.optim.Adam(model.parameters(), 1e-2)
-    table, peaks = {}, []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(steps):
-            with PeakBytes(table) as counter:
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x, ei), y).backward()
-                opt.step()
-                ctl.iterate()
-            peaks.append(static + counter.peak)
+        peaks = counted_steps(model, ctl, (x, ei, y), steps, lr=1e-2)
     planner = getattr(ctl, "budget", None)
     ctl.remove()
     return peaks, planner
