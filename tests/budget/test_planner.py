@@ -1,9 +1,11 @@
-"""The planner's program: the MILP against brute force, the greedy fallback, infeasibility."""
+"""The planner's program: the MILP against brute force, the greedy fallback, infeasibility;
+size classes: plans scaled from a profile for a batch of another size."""
 
 import itertools
 import random
 
 import pytest
+import torch
 
 from gact_graph.budget.planner import Option, Unit, greedy_plan, smallest_memory, solve_plan
 
@@ -156,13 +158,11 @@ def test_a_batch_larger_than_every_size_class_gets_a_plan_scaled_from_the_neares
     assert classes.rescaled(twice, 10**6, margin) is None  # far from the profile: profile again
 
 
-def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_plan():
-    """A mini-batch a little larger than the profiled one, where every plan within the
-    class's accuracy bound (its variance cap) is too large once scaled but one below it
-    fits: that plan, solved from the profile with the bound relaxed as a profile's own plan
-    is (``relaxed="relaxed"``), instead of None (a 1-bit profile step). A class of it admits
-    a larger shape only within the budget's margin (only a plan admitted by the profile
-    step's measurement is judged against the budget itself)."""
+def _classes_where_a_larger_batch_fits_only_below_the_bound():
+    """A size class profiled at 100 nodes whose plan (2 bits, variance 8, its cap) predicts
+    330 of a usable 360 (budget 400, margin 0.1): scaled to 1.2x, 2 + 2 bits hold 168 of the
+    152 bytes free, 2 + 1 bits 132 but add variance 20 > 8. Returns the classes, the profiled
+    state, the budget and margin."""
     from gact_graph.budget.planner import Option, Plan, Unit
     from gact_graph.budget.state import PlanState, SizeClasses
 
@@ -174,17 +174,30 @@ def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_p
         ])  # fmt: skip
 
     units = [unit("a"), unit("b")]
-    profiled = ((100, 16), "torch.float32", "cpu"), ((2, 400), "torch.int64", "cpu")
     plan = Plan({"a": units[0].options[1], "b": units[1].options[1]})  # 2 bits: 140, var 8
-    state = PlanState(profiled, plan, units, rest=100, fixed=50, transient=40,
+    state = PlanState(_sig(100), plan, units, rest=100, fixed=50, transient=40,
                       variance_cap=8.0, profile_step=0)  # fmt: skip
     classes = SizeClasses()
     classes.add(state, limit=8)
-    budget, margin = 400, 0.1  # usable 360: the profiled shape predicts 330
+    return classes, state, 400, 0.1
+
+
+def _sig(nodes: int) -> tuple:
+    """The input signature of a batch of ``nodes`` nodes and 4 edges per node."""
+    return ((nodes, 16), "torch.float32", "cpu"), ((2, 4 * nodes), "torch.int64", "cpu")
+
+
+def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_plan():
+    """A mini-batch a little larger than the profiled one, where every plan within the
+    class's accuracy bound (its variance cap) is too large once scaled but one below it
+    fits: that plan, solved from the profile with the bound relaxed as a profile's own plan
+    is (``relaxed="relaxed"``), instead of None (a 1-bit profile step). A class of it admits
+    a larger shape only within the budget's margin (only a plan admitted by the profile
+    step's measurement is judged against the budget itself)."""
+    classes, state, budget, margin = _classes_where_a_larger_batch_fits_only_below_the_bound()
     assert state.predicted == 330
-    larger = ((120, 16), "torch.float32", "cpu"), ((2, 480), "torch.int64", "cpu")  # 1.2x
+    larger = _sig(120)  # 1.2x
     assert classes.find(larger, budget, margin) == (None, 1.0)  # 2 bits scaled: 376 > 360
-    # scaled, 2 + 2 bits hold 168 > 152 free; 2 + 1 bits hold 132 but add variance 20 > 8
     rescaled = classes.rescaled(larger, budget, margin)
     assert rescaled is not None and rescaled.relaxed == "relaxed"
     assert rescaled.variance_cap is None
@@ -193,9 +206,36 @@ def test_a_batch_that_fits_only_below_the_accuracy_bound_gets_a_relaxed_scaled_p
     assert state.relaxed == "" and state.variance_cap == 8.0  # the profiled class unchanged
     classes.add(rescaled, limit=8)
     # 10 % beyond the relaxed class: 364 predicted, within the budget but not its margin
-    beyond = ((132, 16), "torch.float32", "cpu"), ((2, 528), "torch.int64", "cpu")
-    found, scale = classes.find(beyond, budget, margin)
+    found, scale = classes.find(_sig(132), budget, margin)
     assert found is None, (found, scale)
+
+
+def test_the_planner_warns_once_when_a_rescaled_plan_relaxes_the_accuracy_bound():
+    """`BudgetPlanner` says, once per run, that a batch's plan scaled from a profile is below
+    the accuracy bound, naming the scale; a rescaled plan within the bound says nothing."""
+    import warnings
+
+    from gact_graph import compress_gnn
+
+    classes, _, budget, margin = _classes_where_a_larger_batch_fits_only_below_the_bound()
+    ctl = compress_gnn(torch.nn.Linear(16, 16), memory_budget=budget, budget_margin=margin)
+    try:
+        planner = ctl.budget
+        planner.size_classes = classes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            within, _ = planner._size_class(_sig(104))  # 2 bits scaled: 343 of 360
+            assert within is not None and within.relaxed == ""
+            assert not [w for w in caught if "accuracy bound" in str(w.message)]
+            first, _ = planner._size_class(_sig(120))
+            second, _ = planner._size_class(_sig(135))  # beyond every class: rescaled again
+        assert first.relaxed == "relaxed" and second.relaxed == "relaxed"
+        said = [str(w.message) for w in caught if "accuracy bound" in str(w.message)]
+        assert len(said) == 1, said
+        assert "1.20x the size of a profiled one" in said[0] and "relaxes it" in said[0]
+        assert planner.plans[_sig(120)] is first and planner.plans[_sig(135)] is second
+    finally:
+        ctl.remove()
 
 
 def test_a_rescaled_plan_falls_back_to_a_farther_class_where_the_nearest_leaves_no_room():
