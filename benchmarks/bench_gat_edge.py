@@ -40,6 +40,8 @@ from torch_geometric.utils import scatter, softmax  # noqa: E402
 
 from gact_graph.kernels import gat_edge, triton_available  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
+from gact_graph.sparse import gat_fused as sfused  # noqa: E402
+from gact_graph.sparse import gatv2 as sgatv2  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,7 +145,9 @@ def run(args: argparse.Namespace) -> dict:
         }
         if kernels_run:
             variants["triton"] = step(
-                lambda: sgat.gat_attention_fused(x, a_src, a_dst, rowptr, col, slope, p, transpose)
+                lambda: sfused.gat_attention_fused(
+                    x, a_src, a_dst, rowptr, col, slope, p, transpose
+                )
             )
     else:  # GATv2: x_l = x, x_r and att in place of the node logits
         x_r = torch.randn(n, h, c, generator=g).to(device, dtype).requires_grad_()
@@ -151,11 +155,11 @@ def run(args: argparse.Namespace) -> dict:
         leaves[:] = [x, x_r, att]
         variants = {
             "stock PyG": step(lambda: stock_gatv2_edge_stage(x, x_r, att, ei, slope, p)),
-            "chunked": step(lambda: sgat.gatv2_attention(x, x_r, att, rowptr, col, slope, p)),
+            "chunked": step(lambda: sgatv2.gatv2_attention(x, x_r, att, rowptr, col, slope, p)),
         }
         if kernels_run:
             variants["triton"] = step(
-                lambda: sgat.gatv2_attention_fused(x, x_r, att, rowptr, col, slope, p, transpose)
+                lambda: sfused.gatv2_attention_fused(x, x_r, att, rowptr, col, slope, p, transpose)
             )
     rows = []
     for name, fn in variants.items():

@@ -23,7 +23,7 @@ Usage::
 ``--edge-kernel triton`` runs the fused Triton kernels wherever they apply (on CPU only under
 ``TRITON_INTERPRET=1``: slow, use a few hundred nodes); ``--kernel-reads dequantized`` has the
 fused Functions handed their compressed features dequantized whole inside the probe, as they
-were before they read the packed codes (`gact_graph.sparse.gat._kernel_features`)::
+were before they read the packed codes (`gact_graph.sparse.gat_fused._kernel_features`)::
 
     TRITON_INTERPRET=1 python benchmarks/gat_probe_peak.py --device cpu --edge-kernel triton \
         --nodes 600 --hidden 16 --models gatv2 --skip-dataless
@@ -59,6 +59,8 @@ from benchmarks.harness import build_model  # noqa: E402
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.policy import sensitivity  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
+from gact_graph.sparse import gat_fused as sfused  # noqa: E402
+from gact_graph.sparse import gatv2 as sgatv2  # noqa: E402
 
 
 def _dataless(t) -> bool:
@@ -210,8 +212,8 @@ def _instrument(meter: _Meter, paths: dict[str, int]):
 
         setattr(sensitivity.SensitivityProbe, name, wrapped)
         undo.append((sensitivity.SensitivityProbe, name, orig))
-    for cls in (sgat.GatFusedFunction, sgat.GatV2FusedFunction, sgat.GatAttentionFunction,
-                sgat.GatV2AttentionFunction):  # fmt: skip
+    for cls in (sfused.GatFusedFunction, sfused.GatV2FusedFunction, sgat.GatAttentionFunction,
+                sgatv2.GatV2AttentionFunction):  # fmt: skip
         orig = cls.forward
 
         def forward(ctx, *args, _orig=orig, _name=cls.__name__):
@@ -225,19 +227,19 @@ def _instrument(meter: _Meter, paths: dict[str, int]):
 
 @contextlib.contextmanager
 def _edge_stage(args):
-    """``args.edge_kernel`` as `sgat.EDGE_KERNEL`, and (``args.kernel_reads == "dequantized"``)
+    """``args.edge_kernel`` as `sfused.EDGE_KERNEL`, and (``args.kernel_reads == "dequantized"``)
     the fused Functions made to take their compressed features dequantized whole."""
-    kernel = getattr(args, "edge_kernel", sgat.EDGE_KERNEL)
+    kernel = getattr(args, "edge_kernel", sfused.EDGE_KERNEL)
     codes = getattr(args, "kernel_reads", "codes") == "codes"
-    fused = (sgat.GatFusedFunction, sgat.GatV2FusedFunction)
-    before = sgat.EDGE_KERNEL, [cls.reads_row_chunks for cls in fused]
-    sgat.EDGE_KERNEL = kernel
+    fused = (sfused.GatFusedFunction, sfused.GatV2FusedFunction)
+    before = sfused.EDGE_KERNEL, [cls.reads_row_chunks for cls in fused]
+    sfused.EDGE_KERNEL = kernel
     for cls in fused:
         cls.reads_row_chunks = codes
     try:
         yield
     finally:
-        sgat.EDGE_KERNEL = before[0]
+        sfused.EDGE_KERNEL = before[0]
         for cls, reads in zip(fused, before[1]):
             cls.reads_row_chunks = reads
 
@@ -326,10 +328,10 @@ def edge_stage_peak(model_name: str, reads: str, args) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         if model_name == "gat":
             leaves = (x, a_src, a_dst)
-            out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose)
+            out = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose)
         else:
             leaves = (x, x_r, att)
-            out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose,
+            out = sfused.gatv2_attention_fused(*leaves, rowptr, col, 0.2, transpose=transpose,
                                              recompute_stats=True)  # fmt: skip
     grad = torch.randn(out.shape)
     unit = n * heads * channels * 4
@@ -353,7 +355,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
     ap.add_argument("--edge-kernel", default="auto", choices=["auto", "triton", "chunked"],
-                    help="sparse.gat.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)")
+                    help="sparse.gat_fused.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)")
     ap.add_argument("--kernel-reads", default="codes", choices=["codes", "dequantized"],
                     help="what the fused kernels' backward reads of a compressed input inside "
                     "the probe: its packed codes, or a dequantized copy")

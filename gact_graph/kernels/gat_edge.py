@@ -51,7 +51,7 @@ their node features dense or as `CodedFeatures`: the quantizer's packed codes an
 metadata of the (N * H) x C matrix (any `GroupLayout`), decoded per element in the kernel
 (`_decode`) to the very value the dequantized copy holds, so no N x H x C copy is made
 (the sensitivity probe's backwards hand their compressed features so,
-`gact_graph.sparse.gat._kernel_features`).
+`gact_graph.sparse.gat_fused._kernel_features`).
 
 **Blocking** (edges per block, rows per program, warps) is chosen lazily per kernel, head
 count, width, dtype and a coarse degree bucket (the mean degree ``E / N`` rounded to a power of

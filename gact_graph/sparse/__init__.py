@@ -1,7 +1,7 @@
 """Graph-aware paths: one shared compact adjacency per graph, fused SpMM / attention autograd
 Functions that save only node-level tensors, and patching of known PyG convolutions."""
 
-from gact_graph.sparse import gat  # noqa: F401  (registers the GATConv/GATv2Conv patchers)
+from gact_graph.sparse import gat_convs  # noqa: F401  (registers the GATConv/GATv2Conv patchers)
 from gact_graph.sparse.adjacency import CompactAdjacency, differentiable_edge_weight, get_adjacency
 from gact_graph.sparse.patching import install_sparse_paths, register_patcher
 from gact_graph.sparse.spmm import SpmmFunction, spmm

@@ -32,7 +32,7 @@ Patcher = Callable[[Any, str, nn.Module], None]
 PATCHERS: dict[type, Patcher] = {}
 
 #: modules of this package whose import registers patchers
-_BUILTIN_PATCHER_MODULES = ("gact_graph.sparse.convs", "gact_graph.sparse.gat")
+_BUILTIN_PATCHER_MODULES = ("gact_graph.sparse.convs", "gact_graph.sparse.gat_convs")
 
 _MP_HOOK_DICTS = (
     "_propagate_forward_pre_hooks",

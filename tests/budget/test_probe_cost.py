@@ -299,7 +299,7 @@ def _gatv2_replayed(x_l, x_r, att, csr, dropout, chunk_bytes, replayed, other_bi
     from gact_graph.budget.profile import LiveBytes
     from gact_graph.core.chunked import RowChunked
     from gact_graph.core.quantize import quantize
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gatv2 as sgatv2
     from gact_graph.switches import lean_backward
 
     mine = {"x_l": x_l, "x_r": x_r}.get(replayed)
@@ -327,7 +327,7 @@ def _gatv2_replayed(x_l, x_r, att, csr, dropout, chunk_bytes, replayed, other_bi
     rowptr, col = csr
     with LiveBytes() as live:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout,
+            out = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout,
                                        torch.randperm(col.numel()), chunk_bytes)  # fmt: skip
         node, grad_out = out.grad_fn, torch.randn_like(out)
         stated = node._forward_cls.lean_backward_bytes(node, layouts, walk=replayed is None)
@@ -455,14 +455,14 @@ def test_gatv2_states_no_bound_for_reads_it_does_not_read_in_parts():
     import torch
 
     from gact_graph.core.quantize import group_layout
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gatv2 as sgatv2
 
     n, heads, channels = 50, 2, 32
     rowptr, col = _csr(n, 300, 3)
     x_l = torch.randn(n, heads, channels, requires_grad=True)
     x_r = torch.randn(n, heads, channels, requires_grad=True)
     att = torch.randn(1, heads, channels, requires_grad=True)
-    node = sgat.gatv2_attention(x_l, x_r, att, rowptr, col).grad_fn
+    node = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col).grad_fn
     stated = node._forward_cls.lean_backward_bytes
     lay = group_layout((n * heads, channels))
     odd = group_layout((n * heads + 8, channels))

@@ -22,7 +22,8 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.controller import Stored
 from gact_graph.core.quantize import quantize
 from gact_graph.models import build_model
-from gact_graph.sparse import gat as sgat
+from gact_graph.sparse import gat_fused as sfused
+from gact_graph.sparse import gatv2 as sgatv2
 from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 
 
@@ -91,7 +92,7 @@ def _row_readers_every_step(monkeypatch):
     from gact_graph.ops.batchnorm import BatchNormFunction
 
     monkeypatch.setattr(BatchNormFunction, "reads_rows_every_step", True)
-    monkeypatch.setattr(sgat.GatV2AttentionFunction, "reads_rows_every_step", True)
+    monkeypatch.setattr(sgatv2.GatV2AttentionFunction, "reads_rows_every_step", True)
 
 
 @pytest.mark.parametrize("name", ["gat", "gatv2", "gcn"])
@@ -99,7 +100,7 @@ def test_chunked_path_is_handed_dense_copies_by_default(name, monkeypatch, hande
     """On the chunked (CPU) path a plain step's backward is handed dequantized copies (its
     row readers' ``reads_rows_every_step`` is off: reading in parts costs more CPU time there
     than the copy's memory repays); the switch makes no difference to the gradients."""
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     on = _compressed_step(name, True, monkeypatch)
     off = _compressed_step(name, False, monkeypatch)
     assert "RowChunked" not in handed, handed
@@ -112,7 +113,7 @@ def test_chunked_row_readers_in_every_step_bit_for_bit(name, monkeypatch, handed
     2-bit step equals, bit for bit, that of the step handed dequantized copies; row-read
     matrices were handed (the BatchNorms' normalized inputs, and GATv2's features: GAT's
     chunked stage saves its features N x H x C, which stay dense)."""
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     _row_readers_every_step(monkeypatch)
     dense = _compressed_step(name, False, monkeypatch)
     assert "RowChunked" not in handed, handed
@@ -128,7 +129,7 @@ def test_a_function_that_does_not_read_rows_gets_dense_copies(monkeypatch, hande
     it off its backward is handed dense copies, with the same gradients."""
     from gact_graph.ops.batchnorm import BatchNormFunction
 
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     _row_readers_every_step(monkeypatch)
     rows = _compressed_step("gcn", True, monkeypatch, steps=1)
     assert handed.get("RowChunked") == 2, handed
@@ -170,7 +171,7 @@ def test_unpack_rows_only_with_grad_off():
 def test_create_graph_stays_dense(monkeypatch, handed):
     """A compressed step's backward with ``create_graph=True`` is handed no `RowChunked`: it
     fails with the same double-backward error as with the path switched off."""
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     _row_readers_every_step(monkeypatch)
     errors = []
     for rows in (False, True):
@@ -196,7 +197,7 @@ def test_probed_step_is_handed_dense_copies(monkeypatch, handed):
     equal, bit for bit, those with the path switched off."""
     from gact_graph.policy import sensitivity
 
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     _row_readers_every_step(monkeypatch)
     estimates = []
     result = sensitivity.SensitivityProbe.result
@@ -216,10 +217,10 @@ def test_fused_step_gradients_bit_for_bit(monkeypatch, handed):
     """On the fused Triton path (a tiny GAT, interpreted on CPU): the backward kernels read
     the features' packed codes in every step (`CodedFeatures`), and every gradient equals,
     bit for bit, that of the step whose kernels are handed dequantized copies."""
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     kinds = []
-    kernel_features = sgat._kernel_features
-    monkeypatch.setattr(sgat, "_kernel_features",
+    kernel_features = sfused._kernel_features
+    monkeypatch.setattr(sfused, "_kernel_features",
                         lambda x, shape: kinds.append(type(kernel_features(x, shape)).__name__)
                         or kernel_features(x, shape))  # fmt: skip
     x, ei, y = _graph(n=8, e=20)

@@ -193,11 +193,12 @@ def test_dropout_mask_statistics():
 def test_matches_chunked_stage_and_its_gradients():
     """The kernels through `GatFusedFunction` against the chunked `GatAttentionFunction`."""
     from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
 
     rowptr, col, n = graph("empty_rows")
     leaves = [t.requires_grad_() for t in inputs(n, 2, 7, torch.float32)]
     grad_out = torch.randn(n, 2, 7, device=DEVICE)
-    fused = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2)
+    fused = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2)
     g_fused = torch.autograd.grad(fused, leaves, grad_out)
     chunked = sgat.gat_attention(*leaves, rowptr, col, 0.2)
     g_chunked = torch.autograd.grad(chunked, leaves, grad_out)
@@ -210,13 +211,13 @@ def test_matches_chunked_stage_and_its_gradients():
 def test_function_redraws_its_seed_reproducibly():
     """`GatFusedFunction` draws its seed on the default generator: under one manual seed,
     the reference fed the mask of the same draw gives the same values and gradients."""
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
 
     rowptr, col, n = graph("plain")
     leaves = [t.requires_grad_() for t in inputs(n, 2, 4, torch.float32)]
     grad_out = torch.randn(n, 2, 4, device=DEVICE)
     torch.manual_seed(5)
-    out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout=0.4)
+    out = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout=0.4)
     grads = torch.autograd.grad(out, leaves, grad_out)
     torch.manual_seed(5)
     keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), 2, 0.4)
@@ -234,7 +235,8 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     from torch_geometric.nn import GATConv
 
     from gact_graph import compress_gnn
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_convs as sconvs
+    from gact_graph.sparse import gat_fused as sfused
 
     torch.manual_seed(0)
     n = 16
@@ -243,7 +245,7 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     results = {}
     calls = count_calls(monkeypatch, "gat_edge_forward")
     for kernel in ("chunked", "triton"):
-        monkeypatch.setattr(sgat, "EDGE_KERNEL", kernel)
+        monkeypatch.setattr(sfused, "EDGE_KERNEL", kernel)
         torch.manual_seed(1)
         conv = GATConv(6, 5, heads=2).to(DEVICE)
         compress_gnn(conv, bits=None)
@@ -255,14 +257,14 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     for g, r in zip(results["triton"][1], results["chunked"][1]):
         assert_close(g, r, 5e-5, "parameter grad")
 
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     conv = GATConv(6, 5, heads=2, dropout=0.5).to(DEVICE)
     ctl = compress_gnn(conv, bits=2, min_numel=0)
     conv.train()
     kept = []
-    get_adjacency = sgat.get_adjacency
+    get_adjacency = sconvs.get_adjacency
     monkeypatch.setattr(
-        sgat, "get_adjacency",
+        sconvs, "get_adjacency",
         lambda *a, **k: kept.append(k["keep_perm"]) or get_adjacency(*a, **k),
     )  # fmt: skip
     conv(x, ei).sum().backward()
@@ -339,7 +341,7 @@ def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
     """A compressing controller hands backward other features than the forward's (here: the
     pack hook adds noise, as rounding does). With ``recompute_stats`` the gradients are those
     of the edge stage at the features handed back: a softmax that sums to one there."""
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
 
     rowptr, col, n = graph("huge_row")
     g = torch.Generator().manual_seed(6)
@@ -359,7 +361,7 @@ def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
 
     grad_out = torch.randn(n, 2, 6, generator=g).to(DEVICE)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2, recompute_stats=True)
+        out = sfused.gatv2_attention_fused(*leaves, rowptr, col, 0.2, recompute_stats=True)
     out.float().backward(grad_out)
     assert len(noisy) == 2, "the test's pack hook saw neither feature tensor"
     at = [noisy[id(x_l)].view(x_l.shape).float().requires_grad_(),
@@ -375,7 +377,7 @@ def test_patched_gatv2conv_on_kernels_matches_chunked(monkeypatch):
     from torch_geometric.nn import GATv2Conv
 
     from gact_graph import compress_gnn
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
 
     calls = count_calls(monkeypatch, "gatv2_edge_forward")
     torch.manual_seed(0)
@@ -385,7 +387,7 @@ def test_patched_gatv2conv_on_kernels_matches_chunked(monkeypatch):
     for share in (False, True):
         results = {}
         for kernel in ("chunked", "triton"):
-            monkeypatch.setattr(sgat, "EDGE_KERNEL", kernel)
+            monkeypatch.setattr(sfused, "EDGE_KERNEL", kernel)
             torch.manual_seed(1)
             conv = GATv2Conv(6, 4, heads=2, share_weights=share).to(DEVICE)
             compress_gnn(conv, bits=None)
@@ -405,11 +407,11 @@ def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch
     checkpoint restores the RNG), so its gradient stays as close to L1's as quantization
     allows. (Statistics kept from the forward would not match the recomputed logits.)"""
     from gact_graph.models import GAT
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
     from tests.policy.test_levels import _graph as levels_graph
     from tests.policy.test_levels import _rel, _step
 
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     calls = count_calls(monkeypatch, "gat_edge_forward")
     x, ei = levels_graph(n=10, f=8, e=24)
     torch.manual_seed(0)
@@ -550,24 +552,24 @@ def test_cuda_steady_state_makes_no_host_sync(request, monkeypatch):
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")
     monkeypatch.setattr(ge, "TUNE", True)  # the tuner's first calls sync; later ones must not
-    from gact_graph.sparse import gat as sgat
+    from gact_graph.sparse import gat_fused as sfused
 
     rowptr, col, n = graph("huge_row", n=3000, e=30000)
     rowptr, col = rowptr.cuda(), col.cuda()
     leaves = [t.cuda().requires_grad_() for t in inputs(n, 3, 32, torch.float32, device="cpu")]
     transpose = ge.csr_transpose(rowptr, col, n)
     for _ in range(2):  # the first call tunes the blocking (timed: syncs)
-        sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
+        sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
     torch.cuda.synchronize()
     att = torch.randn(1, 3, 32, device="cuda", requires_grad=True)
     for _ in range(2):
-        sgat.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
+        sfused.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
                                    transpose).sum().backward()  # fmt: skip
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
-        sgat.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
+        sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
+        sfused.gatv2_attention_fused(leaves[0], leaves[0], att, rowptr, col, 0.2, 0.3,
                                    transpose).sum().backward()  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode("default")

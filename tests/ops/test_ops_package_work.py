@@ -22,7 +22,7 @@ from gact_graph.switches import PACKAGE_MODE_ATTR, package_work
 pytest.importorskip("torch_geometric")
 from torch_geometric.nn import GATConv, GATv2Conv, GCNConv  # noqa: E402
 
-from gact_graph.sparse import gat as sgat  # noqa: E402
+from gact_graph.sparse import gat_fused as sfused  # noqa: E402
 
 
 class Seen(TorchFunctionMode):
@@ -225,7 +225,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.mark.skipif(
-    not sgat.triton_available() or not (INTERPRETED or torch.cuda.is_available()),
+    not sfused.triton_available() or not (INTERPRETED or torch.cuda.is_available()),
     reason="the fused kernels need Triton and CUDA or TRITON_INTERPRET=1",
 )
 @pytest.mark.parametrize("model", ["gat", "gatv2"])
@@ -234,7 +234,7 @@ def test_the_fused_kernels_forward_steps_past_the_mode_too(model, monkeypatch):
     what is checked)."""
     if not INTERPRETED:
         pytest.skip("the models here run on CPU tensors")
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     new = _run(model, SeenPointwise)
     ref = _run(model, SeesAll)
     funcs = set(f for m in new["seen"] for f in m.funcs)

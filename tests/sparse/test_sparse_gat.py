@@ -1,6 +1,7 @@
-"""Fused GAT / GATv2 attention (`gact_graph.sparse.gat`): exact against stock PyG in lossless
-mode, the exact gradient of its own forward under attention dropout, node-level saved state only,
-no edge x feature tensor in forward or backward, and close gradients when quantized."""
+"""Fused GAT / GATv2 attention (`gact_graph.sparse.gat`, `gatv2`, `gat_fused`, `gat_convs`):
+exact against stock PyG in lossless mode, the exact gradient of its own forward under
+attention dropout, node-level saved state only, no edge x feature tensor in forward or
+backward, and close gradients when quantized."""
 
 import contextlib
 import itertools
@@ -17,7 +18,10 @@ from torch_geometric.utils import to_torch_coo_tensor
 
 from gact_graph import compress_gnn
 from gact_graph.memory import saved_bytes_stats
+from gact_graph.sparse import edge_chunks as sedge
 from gact_graph.sparse import gat as sgat
+from gact_graph.sparse import gat_fused as sfused
+from gact_graph.sparse import gatv2 as sgatv2
 from gact_graph.sparse import install_sparse_paths
 from gact_graph.switches import lean_backward
 from tests.benchmarks.test_scale_deep import _bias_stats
@@ -149,7 +153,7 @@ def test_function_matches_reference(variant, dropout, chunk_bytes, lean):
         inputs, fn, ref_fn = (x, a_src, a_dst), sgat.gat_attention, sgat.gat_attention_reference
     else:
         inputs = (x, x_r, att)
-        fn, ref_fn = sgat.gatv2_attention, sgat.gatv2_attention_reference
+        fn, ref_fn = sgatv2.gatv2_attention, sgatv2.gatv2_attention_reference
     torch.manual_seed(7)
     fused = fn(*inputs, rowptr, col, 0.2, dropout, perm, chunk_bytes)
     after_fused = torch.get_rng_state()
@@ -193,7 +197,7 @@ def test_gradcheck_with_attention_dropout(variant):
         fn = sgat.GatAttentionFunction.apply
         inputs = (x, a_src, a_dst)
     else:
-        fn = sgat.GatV2AttentionFunction.apply
+        fn = sgatv2.GatV2AttentionFunction.apply
         inputs = (x, x_r, att)
 
     def seeded(*t):  # every evaluation of gradcheck draws the same mask
@@ -486,21 +490,21 @@ def test_fused_kernel_routing(monkeypatch):
     x = torch.randn(4, 2, 3)
     logits = torch.randn(4, 2)
     monkeypatch.delenv("GACT_GRAPH_FORCE_TRITON", raising=False)
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "auto")
-    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)  # a CPU tensor
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "auto")
+    assert not sfused.fused_kernel_applies(x, logits, 0.0, lossless=False)  # a CPU tensor
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     forced = triton_available()
-    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=False) == forced
-    assert sgat.fused_kernel_applies(x.half(), logits, 0.5, lossless=False) == forced
-    assert sgat.fused_kernel_applies(x, logits, 0.0, lossless=True) == forced
-    assert not sgat.fused_kernel_applies(x, logits, 0.5, lossless=True)
-    assert not sgat.fused_kernel_applies(x.double(), logits, 0.0, lossless=False)
-    assert not sgat.fused_kernel_applies(x, logits.double(), 0.0, lossless=False)
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "chunked")
-    assert not sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "fast")
+    assert sfused.fused_kernel_applies(x, logits, 0.0, lossless=False) == forced
+    assert sfused.fused_kernel_applies(x.half(), logits, 0.5, lossless=False) == forced
+    assert sfused.fused_kernel_applies(x, logits, 0.0, lossless=True) == forced
+    assert not sfused.fused_kernel_applies(x, logits, 0.5, lossless=True)
+    assert not sfused.fused_kernel_applies(x.double(), logits, 0.0, lossless=False)
+    assert not sfused.fused_kernel_applies(x, logits.double(), 0.0, lossless=False)
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
+    assert not sfused.fused_kernel_applies(x, logits, 0.0, lossless=False)
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "fast")
     with pytest.raises(ValueError, match="EDGE_KERNEL"):
-        sgat.fused_kernel_applies(x, logits, 0.0, lossless=False)
+        sfused.fused_kernel_applies(x, logits, 0.0, lossless=False)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -520,8 +524,8 @@ def test_walk_transpose_for_the_kernels(symmetric):
     before = adj.nbytes
     t_rowptr, t_col, pos = adj.walk_transpose()
     assert (t_rowptr is rowptr and t_col is col) == symmetric
-    dst = sgat.csr_destinations(rowptr, col.numel())
-    src_t = sgat.csr_destinations(t_rowptr, t_col.numel())
+    dst = sedge.csr_destinations(rowptr, col.numel())
+    src_t = sedge.csr_destinations(t_rowptr, t_col.numel())
     # transposed edge j runs from source src_t[j] to t_col[j]; CSR edge pos[j] is that edge
     assert torch.equal(col[pos.long()].long(), src_t)
     assert torch.equal(dst[pos.long()], t_col.long())
@@ -696,7 +700,7 @@ def test_gatv2_attention_holds_its_logits_and_one_more_edge_by_head_tensor(lean)
     at a time. At once: the logits, the dropout draw (fp32 for a moment, then a bool mask), in
     backward one more E x H tensor. About eight E x H and an E-long int64 before."""
     fwd, bwd, edge_by_head, chunk, node = _edge_stage_peaks(
-        sgat.gatv2_attention, [_features, _features, lambda n, h, c: (1, h, c)], lean
+        sgatv2.gatv2_attention, [_features, _features, lambda n, h, c: (1, h, c)], lean
     )
     assert fwd <= 2.25 * edge_by_head + 4 * chunk + 2 * node, (fwd, edge_by_head)
     assert bwd <= 2.5 * edge_by_head + 4 * chunk + 4 * node, (bwd, edge_by_head)

@@ -15,7 +15,7 @@ import torch
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
-from gact_graph.sparse import gat as sgat
+from gact_graph.sparse import gat_fused as sfused
 from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 from tests.sparse.allocations import LargeAllocations
 from tests.sparse.quantized_saves import dequantized, saved_as
@@ -67,7 +67,7 @@ def test_gat_fused_backward_reads_the_codes(heads, channels, dtype, dropout, bit
     for mode in ("dense", "rows"):
         torch.manual_seed(7)  # the same dropout seed
         with _saved_as(mode, bits, (n * heads, channels)) as packed:
-            out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout)
+            out = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout)
         assert packed == [(n * heads, channels)], packed  # x_src, as its (N * H) x C view
         grads[mode] = torch.autograd.grad((out * w).sum(), leaves)
     for name, a, b in zip(("x", "a_src", "a_dst"), grads["rows"], grads["dense"]):
@@ -104,7 +104,7 @@ def test_gatv2_fused_backward_reads_the_codes(heads, channels, dtype, dropout, b
         with _saved_as(mode, bits, (n * heads, channels)) as packed:
             xl = leaves[0]
             xr = xl if shared else leaves[1]
-            out = sgat.gatv2_attention_fused(xl, xr, leaves[-1], rowptr, col, 0.2, dropout,
+            out = sfused.gatv2_attention_fused(xl, xr, leaves[-1], rowptr, col, 0.2, dropout,
                                              recompute_stats=True)  # fmt: skip
         assert len(packed) == 2 and set(packed) == {(n * heads, channels)}, packed
         grads[mode] = torch.autograd.grad((out * w).sum(), leaves)
@@ -143,11 +143,11 @@ def test_backward_makes_no_dequantized_copy(model):
         if model == "gat":
             leaves = [t.clone().requires_grad_() for t in (x, a_src, a_dst)]
             with _saved_as(mode, bits, (n * heads, channels)):
-                out = sgat.gat_attention_fused(*leaves, rowptr, col, 0.2)
+                out = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2)
         else:
             leaves = [x.clone().requires_grad_(), x_r.clone().requires_grad_(), att]
             with _saved_as(mode, bits, (n * heads, channels)):
-                out = sgat.gatv2_attention_fused(*leaves, rowptr, col, 0.2,
+                out = sfused.gatv2_attention_fused(*leaves, rowptr, col, 0.2,
                                                  recompute_stats=True)  # fmt: skip
         meter = LargeAllocations(x.numel() * 4)
         with meter:
@@ -172,12 +172,12 @@ def test_the_probe_hands_codes_and_estimates_as_with_dequantized_copies(monkeypa
     from gact_graph import compress_gnn
     from gact_graph.policy import sensitivity
 
-    monkeypatch.setattr(sgat, "EDGE_KERNEL", "triton")
+    monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
     estimates, kinds = [], []
-    result, kernel_features = sensitivity.SensitivityProbe.result, sgat._kernel_features
+    result, kernel_features = sensitivity.SensitivityProbe.result, sfused._kernel_features
     monkeypatch.setattr(sensitivity.SensitivityProbe, "result",
                         lambda self: estimates.append(result(self)) or estimates[-1])  # fmt: skip
-    monkeypatch.setattr(sgat, "_kernel_features",
+    monkeypatch.setattr(sfused, "_kernel_features",
                         lambda x, shape: kinds.append(type(kernel_features(x, shape)).__name__)
                         or kernel_features(x, shape))  # fmt: skip
 
@@ -191,7 +191,7 @@ def test_the_probe_hands_codes_and_estimates_as_with_dequantized_copies(monkeypa
 
     used = {}
     for reads in (True, False):
-        monkeypatch.setattr(sgat.GatV2FusedFunction, "reads_row_chunks", reads)
+        monkeypatch.setattr(sfused.GatV2FusedFunction, "reads_row_chunks", reads)
         torch.manual_seed(0)
         x, y = torch.randn(16, 8, device=DEVICE), torch.randint(0, 4, (16,), device=DEVICE)
         ei = torch.randint(0, 16, (2, 40), device=DEVICE)
@@ -214,11 +214,11 @@ def test_kernel_features_of_each_kind():
     codes (any layout); a matrix read by rows of another kind is dequantized whole."""
     x = torch.randn(6, 2, 5)
     rows = x.view(-1, 5)
-    dense = sgat._kernel_features(rows, x.shape)
+    dense = sfused._kernel_features(rows, x.shape)
     assert dense.shape == x.shape and dense.data_ptr() == x.data_ptr()
     for group_size in (4, 16, 256):
         q = quantize(rows, 4, group_size=group_size, seed=0)
-        codes = sgat._kernel_features(RowChunked(q), x.shape)
+        codes = sfused._kernel_features(RowChunked(q), x.shape)
         assert isinstance(codes, ge.CodedFeatures) and codes.shape == x.shape
         assert codes.layout == q.layout and codes.bits == 4
 
@@ -229,7 +229,7 @@ def test_kernel_features_of_each_kind():
         def dense(self):
             return rows.clone()
 
-    torch.testing.assert_close(sgat._kernel_features(Other(), x.shape), x)
+    torch.testing.assert_close(sfused._kernel_features(Other(), x.shape), x)
 
 
 test_interpreter_in_subprocess = interpreter_test()

@@ -1,8 +1,8 @@
-"""GATv2's chunked edge stage reading compressed inputs in parts (`gact_graph.sparse.gat`'s
-`_SourceRows` and `_DestinationRows`): where ``x_l`` and ``x_r`` arrive as matrices read a
-row range at a time (`RowChunked`, what the sensitivity probe hands a Function that sets
-``reads_row_chunks``), backward never dequantizes either whole, and gives the gradients of
-the stock-autograd reference evaluated at their dequantized values."""
+"""GATv2's chunked edge stage reading compressed inputs in parts (`SourceRows` and
+`DestinationRows` of `gact_graph.sparse.coded_rows`): where ``x_l`` and ``x_r`` arrive as
+matrices read a row range at a time (`RowChunked`, what the sensitivity probe hands a
+Function that sets ``reads_row_chunks``), backward never dequantizes either whole, and gives
+the gradients of the stock-autograd reference evaluated at their dequantized values."""
 
 import contextlib
 
@@ -11,7 +11,9 @@ import torch
 
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
-from gact_graph.sparse import gat as sgat
+from gact_graph.sparse import coded_rows as scoded
+from gact_graph.sparse import edge_chunks as sedge
+from gact_graph.sparse import gatv2 as sgatv2
 from gact_graph.switches import lean_backward
 from tests.sparse.allocations import LargeAllocations
 from tests.sparse.quantized_saves import dequantized, saved_as
@@ -58,7 +60,7 @@ def test_compressed_inputs_read_in_parts_match_the_reference(heads, channels, dt
     for mode in ("dense", "rows"):
         torch.manual_seed(7)
         with _saved_as(mode, bits):
-            out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout, None, 2048)
+            out = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout, None, 2048)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
         with lean_backward() if lean else contextlib.nullcontext():
             grads[mode] = torch.autograd.grad((out * w).sum(), inputs)
@@ -69,11 +71,11 @@ def test_compressed_inputs_read_in_parts_match_the_reference(heads, channels, dt
     xr_hat = xl_hat if shared else dequantized(x_r, bits).float().requires_grad_()
     ref_inputs = (xl_hat, att) if shared else (xl_hat, xr_hat, att)
     torch.manual_seed(7)
-    ref = sgat.gatv2_attention_reference(xl_hat, xr_hat, att, rowptr, col.long(), 0.2, dropout)
+    ref = sgatv2.gatv2_attention_reference(xl_hat, xr_hat, att, rowptr, col.long(), 0.2, dropout)
     g_ref = torch.autograd.grad((ref * w).sum(), ref_inputs)
     torch.manual_seed(7)
-    out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout, None, 2048)
-    ref_at_inputs = sgat.gatv2_attention_reference(
+    out = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout, None, 2048)
+    ref_at_inputs = sgatv2.gatv2_attention_reference(
         x_l.float(), x_r.float(), att, rowptr, col.long(), 0.2, 0.0
     ) if dropout == 0 else None  # fmt: skip
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
@@ -100,15 +102,15 @@ def test_readers_give_the_dequantized_rows_bit_for_bit(channels, dtype, bits):
     q = quantize(x.reshape(-1, channels), bits, seed=3)
     whole = q.dequantize().view(n, heads, channels)
     idx = torch.tensor([5, 0, 36, 9, 4, 4, 17, 36, 2])
-    src = sgat._SourceRows(RowChunked(q), heads, channels)
+    src = scoded.SourceRows(RowChunked(q), heads, channels)
     expect_parts = channels in (16, 256)  # groups of whole rows, no padding
     assert (src.x is None) == expect_parts
     exact = {"rtol": 0, "atol": 0, "equal_nan": True}
     torch.testing.assert_close(src.index_select(0, idx), whole[idx], **exact)
     # destination rows: contiguous per gather chunk of a destination-sorted CSR
     rowptr, _ = _graph(n, 400, seed=channels)
-    dst = sgat.csr_destinations(rowptr, int(rowptr[-1]))
-    rows = sgat._DestinationRows(RowChunked(q), rowptr, heads, channels)
+    dst = sedge.csr_destinations(rowptr, int(rowptr[-1]))
+    rows = scoded.DestinationRows(RowChunked(q), rowptr, heads, channels)
     assert rows.compressed
     chunk = 23
     rows.bounds(chunk)
@@ -127,7 +129,7 @@ def test_compressed_inputs_are_never_dequantized_whole():
     x_r = torch.randn(n, heads, channels, requires_grad=True)
     att = torch.randn(1, heads, channels, requires_grad=True)
     with _saved_as("rows", 2):
-        out = sgat.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, 0.0, None, 1 << 20)
+        out = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, 0.0, None, 1 << 20)
     big = x_l.numel() * 4
 
     w = torch.randn(out.shape)
