@@ -28,6 +28,7 @@ __all__ = [
     "row_matrix",
 ]
 
+
 def row_matrix(x: Tensor):
     """The compressed matrix behind ``x`` when ``x`` reads a row range at a time (a tensor
     with ``q``, whose ``q.rows(r0, r1).dequantize()`` gives rows ``r0:r1``: the sensitivity

@@ -82,6 +82,7 @@ __all__ = [
     "lean_gat_backward_bytes",
 ]
 
+
 def _gat_logits(
     a_src: Tensor, a_dst: Tensor | None, col: Tensor, dst: Tensor, acc: torch.dtype
 ) -> Tensor:

@@ -31,6 +31,7 @@ from gact_graph.switches import package_work
 
 __all__ = ["patch_gat_conv", "patch_gatv2_conv"]
 
+
 def _chunk_bytes(ctl) -> int:
     return int(ctl.config.extra.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
 

@@ -55,6 +55,7 @@ __all__ = [
     "gatv2_attention_reference",
 ]
 
+
 def _gatv2_logits(
     x_l: Tensor | SourceRows,
     x_r: DestinationRows,
