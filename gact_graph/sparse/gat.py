@@ -541,7 +541,19 @@ class GatAttentionFunction(torch.autograd.Function):
     E x H tensors are the dropout's keep-mask (bool) and, in backward, the coefficients'
     gradient (between the two passes the softmax's backward needs): at ogbn-products' size
     every E x H fp32 tensor is over a GiB (docs/design.md).
+
+    ``x_src`` is saved as its (N * H) x C view where it is one (the same quantization groups
+    as N x H x C), so that inside the sensitivity probe's work (`reads_row_chunks`) a
+    compressed one arrives as a matrix it reads in parts: gathered from its unpacked codes
+    (`_SourceRows`, a quarter of an fp32 copy) and released after the coefficients' pass
+    under `lean_backward`. That backward, which the probe runs on top of the user's, then
+    holds no dequantized copy of it. A plain step's backward is handed a dense copy
+    (``reads_rows_every_step`` off), as GATv2's is: reading in parts costs CPU time that one
+    input's copy does not repay there.
     """
+
+    reads_row_chunks = True
+    reads_rows_every_step = False
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -563,7 +575,8 @@ class GatAttentionFunction(torch.autograd.Function):
         )  # fmt: skip
         del mask
 
-        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, perm, state)
+        # the (N * H) x C view where it is one (see the class docstring)
+        ctx.save_for_backward(_as_rows(x_src), a_src, a_dst, rowptr, col, perm, state)
         ctx.negative_slope = slope
         ctx.dropout = float(dropout)
         ctx.chunk_bytes = int(chunk_bytes)
@@ -599,11 +612,14 @@ class GatAttentionFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
-        x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
+            x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         need_logits = need_src or need_dst
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads = x_src.shape[1]
+        heads, channels = ctx.shapes[3:5]
+        # a compressed x_src stays so: gathered from its unpacked codes (`_SourceRows`)
+        x_src = _SourceRows(x_src, heads, channels)
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
         slope, p = ctx.negative_slope, ctx.dropout
@@ -613,7 +629,7 @@ class GatAttentionFunction(torch.autograd.Function):
         x_dtype = x_src.dtype
 
         # Pass 1 over the edges (chunk x H x C): the features' gradient and the coefficients'.
-        features = [x_src]
+        features = [x_src]  # the reader's only reference: ``split`` releases it
         del x_src
         grad_x, grad_alpha, dot = _aggregate_backward(
             features, grad_out,
@@ -1070,8 +1086,9 @@ class _DestinationRows:
 
 
 class _SourceRows:
-    """GATv2's source features ``x_l`` (N x H x C) as its edge stage reads them: gathered by
-    each edge's source (any rows, in any order), through ``index_select(0, idx)``.
+    """Source features (GATv2's ``x_l``, GAT's ``x_src``; N x H x C) as an edge stage reads
+    them: gathered by each edge's source (any rows, in any order), through
+    ``index_select(0, idx)``.
 
     ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix
     (`_row_matrix`). A compressed one whose layout `_Codes` reads keeps its codes unpacked
@@ -1079,7 +1096,8 @@ class _SourceRows:
     whole tensor; another layout is dequantized whole (the same values)."""
 
     def __init__(self, x: Tensor, heads: int, channels: int) -> None:
-        self.shape = (x.numel() // (heads * channels), heads, channels)
+        # N x H x C, or its (N * H) x C view
+        self.shape = (x.shape[0] if x.dim() == 3 else x.shape[0] // heads, heads, channels)
         self.dtype, self.device = x.dtype, x.device
         q = _row_matrix(x)
         self.decoder = None if q is None else _Codes.of(q, heads, channels)

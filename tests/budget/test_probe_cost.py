@@ -183,10 +183,10 @@ def test_gat_lean_backward_stays_within_its_stated_bound(heads, channels, dropou
     a_dst = torch.randn(n, heads, requires_grad=needs in ("all", "logits"))
     copies = {}
 
-    def pack(t):
-        if t.is_floating_point() and t.dim() == 3:
-            q = quantize(t.detach().reshape(-1, channels), 2, seed=3)
-            copies[id(q)] = q.dequantize().view(t.shape)  # made before the replay, as its copy
+    def pack(t):  # x_src, saved as its (N * H) x C view
+        if t.is_floating_point() and tuple(t.shape) == (n * heads, channels):
+            q = quantize(t.detach(), 2, seed=3)
+            copies[id(q)] = q.dequantize()  # made before the replay, as its copy
             return q
         return t
 
