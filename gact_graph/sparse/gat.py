@@ -454,12 +454,20 @@ def _lean_gat_backward_bytes(
     need_x: bool,
     need_src: bool,
     need_dst: bool,
+    features=None,
 ) -> int:
     """Upper bound of the bytes `GatAttentionFunction.backward` under `lean_backward` creates
     and holds at once (tensors it allocates, its outputs included; not its inputs), read off
     its code: the most over its phases of what each phase can hold, every tensor a loop
-    iteration allocates counted as alive together. Per wide chunk of ``w`` edges (``H`` heads,
-    ``a`` bytes per accumulated element, ``o`` per output element):
+    iteration allocates counted as alive together. ``features``: the layout of a compressed
+    ``x_src`` read in parts (`_SourceRows` through `_Codes`, as the probe's walk hands it), or
+    None for a dense one (the replay's noisy copy). Per wide chunk of ``w`` edges (``H``
+    heads, ``a`` bytes per accumulated element, ``o`` per output element):
+
+    - reading ``x_src`` in parts (`_gatv2_reader_bytes`, as GATv2's source): making the
+      reader first, then its codes and per-row ``lo`` / ``scale`` kept until the coefficients'
+      pass ends (the features' pass too where the logits need no gradient: the reader is
+      released when the passes return), and a gather's decoding in place of the dense gather;
 
     - always: ``m`` and ``total`` (N_dst x H), the destinations of the chunk and of the one
       before it while the next is made (two int64 ``w``-vectors), the marks of its rows (two
@@ -500,21 +508,28 @@ def _lean_gat_backward_bytes(
     alpha_t = w * h * (si + copy(src_dtype) + di + copy(dst_dtype) + 3 * a)
     drawn = 0.0 < p < 1.0 and num_edges * h > 0
     mask = num_edges * h if drawn else 0
-    phases = [stats + index + alpha_t]
+    # the features' reader: (kept, made, a gather's peak, its result)
+    kept, made, gather, result = 0, 0, c * hc * xi, c * hc * xi
+    if features is not None:
+        kept, made, gather, result = _gatv2_reader_bytes("source", features, c, h, channels, xi,
+                                                         0)  # fmt: skip
+    features_gather = max(gather, result + copy(x_dtype))
+    phases = [made + 48 * n_wide, kept + stats + index + alpha_t]
     if drawn:
-        phases.append(stats + num_edges * h * (o + 1 + int(permuted)))
+        phases.append(kept + stats + num_edges * h * (o + 1 + int(permuted)))
     g_alpha = (num_edges * h + num_dst * h) * a if need_logits else 0
     g_x = num_src * hc * a if need_x else 0
     g_logits = (num_src * h if need_src else 0) * a + (num_dst * h if need_dst else 0) * a
     grad_gather = c * hc * (o + copy(out_dtype))
     if need_logits:
-        it = w * h * (2 * a + o) + grad_gather + c * hc * (xi + copy(x_dtype))
-        phases.append(stats + mask + g_alpha + index + max(alpha_t, it))
+        it = w * h * (2 * a + o) + grad_gather + features_gather
+        phases.append(kept + stats + mask + g_alpha + index + max(alpha_t, it))
         it = 4 * w * h * a + w * h
         phases.append(stats + mask + g_alpha + g_x + g_logits + index + max(alpha_t, it))
     if need_x:
         it = w * h * (a + o + max(a, o)) + grad_gather
-        phases.append(stats + mask + g_alpha + g_x + index + max(alpha_t, it))
+        held = 0 if need_logits else kept  # split from the coefficients' pass, or not
+        phases.append(held + stats + mask + g_alpha + g_x + index + max(alpha_t, it))
     ends = (
         (num_src * hc * xi if need_x and x_dtype != acc else 0)
         + (num_src * h * si if need_src and src_dtype != acc else 0)
@@ -591,22 +606,30 @@ class GatAttentionFunction(torch.autograd.Function):
     def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
         """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
         at once (its outputs included, its saved inputs and ``grad_out`` not), from the shapes
-        the forward recorded: what the memory-budget planner counts for the sensitivity probe's
-        replay of this node (`gact_graph.budget.probe_cost`), which hands the replayed input
-        as a dense copy. None where ``layouts`` (those of the compressed inputs the node read)
-        holds more than one (the replay of one would dequantize another whole inside the
-        node), and for the probe's walk (``walk``: its compressed inputs are dequantized whole
-        inside the node, which this bound leaves out). `_lean_gat_backward_bytes` derives it
-        from the code of `backward`."""
-        if walk or len(list(layouts)) > 1:
+        the forward recorded, in the sensitivity probe's work (`gact_graph.budget.probe_cost`),
+        ``layouts`` the group layouts of the compressed inputs the node read: in a replay
+        (``walk`` false) the replayed input is handed as the replay's dense copy; in the
+        probe's walk through the node (``walk``) a compressed ``x_src`` is handed as a matrix
+        read in parts (`reads_row_chunks`, `_SourceRows`). None where ``layouts`` holds more
+        than one (the replay of one would dequantize another whole inside the node), and in
+        the walk where the one is not ``x_src``'s (N * H) x C matrix in a layout `_Codes`
+        reads (the backward would dequantize it whole). `_lean_gat_backward_bytes` derives
+        it from the code of `backward`."""
+        layouts = list(layouts)
+        if len(layouts) > 1:
             return None
         num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype, permuted = (
             ctx.shapes
         )
+        features = layouts[0] if walk and layouts else None  # read in parts
+        if walk and layouts and not _codes_readable(features):
+            return None
+        if features is not None and (features.rows, features.cols) != (num_src * heads, channels):
+            return None
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         return _lean_gat_backward_bytes(
             num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype,
-            ctx.dropout, permuted, ctx.chunk_bytes, need_x, need_src, need_dst,
+            ctx.dropout, permuted, ctx.chunk_bytes, need_x, need_src, need_dst, features,
         )  # fmt: skip
 
     @staticmethod
