@@ -493,7 +493,9 @@ def _lean_gat_backward_bytes(
     a, o, xi, si = _item(acc), _item(out_dtype), _item(x_dtype), _item(src_dtype)
     di = 0 if dst_dtype is None else _item(dst_dtype)
     need_logits = need_src or need_dst
-    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, chunk_bytes, num_src)
+    # `_chunks` under `lean_backward`: the gathers capped at a quarter of x_src, no floor
+    quarter = num_src * heads * channels * (torch.finfo(_acc_dtype(x_dtype)).bits // 8) // 4
+    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, min(chunk_bytes, quarter))
     wide = max(1, chunk * channels)
     w = min(wide, num_edges)
     c = min(chunk, w)
@@ -646,7 +648,8 @@ class GatAttentionFunction(torch.autograd.Function):
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = _acc_dtype(out_dtype)
         slope, p = ctx.negative_slope, ctx.dropout
-        chunk, wide = _chunks(x_src, rowptr, col, ctx.chunk_bytes)  # as in forward
+        # as in forward, or smaller under `lean_backward` (the probe's work)
+        chunk, wide = _chunks(x_src, rowptr, col, ctx.chunk_bytes, lean=is_lean())
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, _ = _attention_dropout(p, num_edges, heads, out_dtype, x_src.device, perm, state)
         x_dtype = x_src.dtype

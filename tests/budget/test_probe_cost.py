@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: bound must meet: within 3x of what the probe adds, or a share of the bound from shapes)
 CASES = [
     ("gcn", 3000, True), ("gcn_bn", 3000, True), ("sage", 3000, True), ("gcnii", 600, True),
-    ("gcnii", 1500, True), ("gat", 3000, 0.32), ("gatv2", 2000, True),
+    ("gcnii", 1500, True), ("gat", 3000, 0.25), ("gatv2", 2000, True),
 ]  # fmt: skip
 
 #: runs in a process of its own, the budget run first, then the models in order
@@ -208,7 +208,7 @@ def _gat_counted(x, a_src, a_dst, csr, dropout, chunk_bytes, walk_bits):
 
 @pytest.mark.parametrize("heads,channels", [(1, 5), (3, 32)])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("chunk_bytes", [64 * 2**20, 64 * 1024])
+@pytest.mark.parametrize("chunk_bytes", [64 * 2**20, 16 * 1024])
 @pytest.mark.parametrize("needs", ["all", "features", "logits"])
 def test_gat_lean_backward_stays_within_its_stated_bound(heads, channels, dropout, chunk_bytes,
                                                          needs):  # fmt: skip
