@@ -461,8 +461,9 @@ def _lean_gat_backward_bytes(
     its code: the most over its phases of what each phase can hold, every tensor a loop
     iteration allocates counted as alive together. ``features``: the layout of a compressed
     ``x_src`` read in parts (`_SourceRows` through `_Codes`, as the probe's walk hands it), or
-    None for a dense one (the replay's noisy copy). Per wide chunk of ``w`` edges (``H``
-    heads, ``a`` bytes per accumulated element, ``o`` per output element):
+    None for a dense one (the replay's noisy copy). Per wide chunk of ``w`` edges (the lean
+    chunks of `_chunks`; ``H`` heads, ``a`` bytes per accumulated element, ``o`` per output
+    element):
 
     - reading ``x_src`` in parts (`_gatv2_reader_bytes`, as GATv2's source): making the
       reader first, then its codes and per-row ``lo`` / ``scale`` kept until the coefficients'
