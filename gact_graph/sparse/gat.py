@@ -469,7 +469,6 @@ def _lean_gat_backward_bytes(
       reader first, then its codes and per-row ``lo`` / ``scale`` kept until the coefficients'
       pass ends (the features' pass too where the logits need no gradient: the reader is
       released when the passes return), and a gather's decoding in place of the dense gather;
-
     - always: ``m`` and ``total`` (N_dst x H), the destinations of the chunk and of the one
       before it while the next is made (two int64 ``w``-vectors), the marks of its rows (two
       int64 vectors of at most N_dst + 1), the chunk starts' tensors (three of two int64 per
