@@ -28,8 +28,8 @@ The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step hol
   what a later node's backward holds while it runs (the walk runs a node's backward again,
   no more than the user's backward of that node holds: its profiled rise, or, where its
   Function states a bound of its lean backward with every compressed read handed as the walk
-  hands it (``walk=True``; GATv2's reads them in parts) and the bound is less than the
-  node's own part of its rise, the bound beside the rest of the node's window).
+  hands it (``walk=True``; GAT's and GATv2's read them in parts) and the bound is less than
+  the node's own part of its rise, the bound beside the rest of the node's window).
 
 `BackwardReads` records, in the profile step (every tensor at 1 bit, so every candidate is
 compressed), per autograd node that reads compressed tensors: the bytes live when it first

@@ -1,7 +1,8 @@
-"""Compressed features read in parts: what an attention edge stage's backward does with a
-saved N x H x C tensor handed back compressed, as a matrix that reads a row range at a time
-(`row_matrix`: the sensitivity probe's `RowChunked`, handed to Functions that set
-``reads_row_chunks``), instead of dequantizing it whole.
+"""Compressed features read in parts: what an attention edge stage's backward (GAT's
+``x_src``, GATv2's ``x_l`` and ``x_r``) does with a saved N x H x C tensor handed back
+compressed, as a matrix that reads a row range at a time (`row_matrix`: the sensitivity
+probe's `RowChunked`, handed to Functions that set ``reads_row_chunks``; `as_rows` saves
+them as such a matrix), instead of dequantizing it whole.
 
 `SourceRows` serves gathers by source (any rows, in any order) from the codes unpacked once,
 a byte per element; `DestinationRows` serves gathers by destination, which in a
@@ -20,6 +21,7 @@ from torch import Tensor
 
 __all__ = [
     "DestinationRows",
+    "as_rows",
     "RowCodes",
     "SourceRows",
     "codes_readable",
@@ -27,6 +29,15 @@ __all__ = [
     "reader_bytes",
     "row_matrix",
 ]
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """Features N x H x C as their (N * H) x C view (the same quantization groups), which a
+    probe hands back as a matrix read by rows (`row_matrix`); ``x`` itself where no such
+    view exists."""
+    if x.dim() == 3 and x.is_contiguous() and x.numel() > 0:
+        return x.view(-1, x.shape[-1])
+    return x
 
 
 def row_matrix(x: Tensor):
@@ -144,8 +155,9 @@ class DestinationRows:
 
 
 class SourceRows:
-    """GATv2's source features ``x_l`` (N x H x C) as its edge stage reads them: gathered by
-    each edge's source (any rows, in any order), through ``index_select(0, idx)``.
+    """Source features (GATv2's ``x_l``, GAT's ``x_src``; N x H x C) as an edge stage reads
+    them: gathered by each edge's source (any rows, in any order), through
+    ``index_select(0, idx)``.
 
     ``x`` is dense (N x H x C, or its (N * H) x C view) or a compressed matrix
     (`row_matrix`). A compressed one whose layout `RowCodes` reads keeps its codes unpacked
@@ -153,7 +165,8 @@ class SourceRows:
     whole tensor; another layout is dequantized whole (the same values)."""
 
     def __init__(self, x: Tensor, heads: int, channels: int) -> None:
-        self.shape = (x.numel() // (heads * channels), heads, channels)
+        # N x H x C, or its (N * H) x C view
+        self.shape = (x.shape[0] if x.dim() == 3 else x.shape[0] // heads, heads, channels)
         self.dtype, self.device = x.dtype, x.device
         q = row_matrix(x)
         self.decoder = None if q is None else RowCodes.of(q, heads, channels)

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gact_graph.sparse.coded_rows import SourceRows, as_rows, codes_readable, reader_bytes
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.edge_chunks import (
     DEFAULT_CHUNK_BYTES,
@@ -73,7 +74,7 @@ from gact_graph.sparse.edge_chunks import (
     leaky_relu_backward_,
     segment_stats,
 )
-from gact_graph.switches import is_lean, package_work
+from gact_graph.switches import is_lean, package_work, reading_rows
 
 __all__ = [
     "GatAttentionFunction",
@@ -124,13 +125,21 @@ def lean_gat_backward_bytes(
     need_x: bool,
     need_src: bool,
     need_dst: bool,
+    features=None,
 ) -> int:
     """Upper bound of the bytes `GatAttentionFunction.backward` under `lean_backward` creates
     and holds at once (tensors it allocates, its outputs included; not its inputs), read off
     its code: the most over its phases of what each phase can hold, every tensor a loop
-    iteration allocates counted as alive together. Per wide chunk of ``w`` edges (``H`` heads,
-    ``a`` bytes per accumulated element, ``o`` per output element):
+    iteration allocates counted as alive together. ``features``: the layout of a compressed
+    ``x_src`` read in parts (`SourceRows` through `RowCodes`, as the probe's walk hands it), or
+    None for a dense one (the replay's noisy copy). Per wide chunk of ``w`` edges (the lean
+    chunks of `chunking`; ``H`` heads, ``a`` bytes per accumulated element, ``o`` per output
+    element):
 
+    - reading ``x_src`` in parts (`reader_bytes`, as GATv2's source): making the
+      reader first, then its codes and per-row ``lo`` / ``scale`` kept until the coefficients'
+      pass ends (the features' pass too where the logits need no gradient: the reader is
+      released when the passes return), and a gather's decoding in place of the dense gather;
     - always: ``m`` and ``total`` (N_dst x H), the destinations of the chunk and of the one
       before it while the next is made (two int64 ``w``-vectors), the marks of its rows (two
       int64 vectors of at most N_dst + 1), the chunk starts' tensors (three of two int64 per
@@ -156,7 +165,9 @@ def lean_gat_backward_bytes(
     xi, si = item_bytes(x_dtype), item_bytes(src_dtype)
     di = 0 if dst_dtype is None else item_bytes(dst_dtype)
     need_logits = need_src or need_dst
-    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, chunk_bytes, num_src)
+    # `chunking` under `lean_backward`: the gathers capped at a quarter of x_src, no floor
+    quarter = num_src * heads * channels * (torch.finfo(acc_dtype(x_dtype)).bits // 8) // 4
+    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, min(chunk_bytes, quarter))
     wide = max(1, chunk * channels)
     w = min(wide, num_edges)
     c = min(chunk, w)
@@ -171,21 +182,27 @@ def lean_gat_backward_bytes(
     alpha_t = w * h * (si + copy(src_dtype) + di + copy(dst_dtype) + 3 * a)
     drawn = 0.0 < p < 1.0 and num_edges * h > 0
     mask = num_edges * h if drawn else 0
-    phases = [stats + index + alpha_t]
+    # the features' reader: (kept, made, a gather's peak, its result)
+    kept, made, gather, result = 0, 0, c * hc * xi, c * hc * xi
+    if features is not None:
+        kept, made, gather, result = reader_bytes("source", features, c, h, channels, xi, 0)
+    features_gather = max(gather, result + copy(x_dtype))
+    phases = [made + 48 * n_wide, kept + stats + index + alpha_t]
     if drawn:
-        phases.append(stats + num_edges * h * (o + 1 + int(permuted)))
+        phases.append(kept + stats + num_edges * h * (o + 1 + int(permuted)))
     g_alpha = (num_edges * h + num_dst * h) * a if need_logits else 0
     g_x = num_src * hc * a if need_x else 0
     g_logits = (num_src * h if need_src else 0) * a + (num_dst * h if need_dst else 0) * a
     grad_gather = c * hc * (o + copy(out_dtype))
     if need_logits:
-        it = w * h * (2 * a + o) + grad_gather + c * hc * (xi + copy(x_dtype))
-        phases.append(stats + mask + g_alpha + index + max(alpha_t, it))
+        it = w * h * (2 * a + o) + grad_gather + features_gather
+        phases.append(kept + stats + mask + g_alpha + index + max(alpha_t, it))
         it = 4 * w * h * a + w * h
         phases.append(stats + mask + g_alpha + g_x + g_logits + index + max(alpha_t, it))
     if need_x:
         it = w * h * (a + o + max(a, o)) + grad_gather
-        phases.append(stats + mask + g_alpha + g_x + index + max(alpha_t, it))
+        held = 0 if need_logits else kept  # split from the coefficients' pass, or not
+        phases.append(held + stats + mask + g_alpha + g_x + index + max(alpha_t, it))
     ends = (
         (num_src * hc * xi if need_x and x_dtype != acc else 0)
         + (num_src * h * si if need_src and src_dtype != acc else 0)
@@ -212,7 +229,19 @@ class GatAttentionFunction(torch.autograd.Function):
     E x H tensors are the dropout's keep-mask (bool) and, in backward, the coefficients'
     gradient (between the two passes the softmax's backward needs): at ogbn-products' size
     every E x H fp32 tensor is over a GiB (docs/design.md).
+
+    ``x_src`` is saved as its (N * H) x C view where it is one (the same quantization groups
+    as N x H x C), so that inside the sensitivity probe's work (`reads_row_chunks`) a
+    compressed one arrives as a matrix it reads in parts: gathered from its unpacked codes
+    (`SourceRows`, a quarter of an fp32 copy) and released after the coefficients' pass
+    under `lean_backward`. That backward, which the probe runs on top of the user's, then
+    holds no dequantized copy of it. A plain step's backward is handed a dense copy
+    (``reads_rows_every_step`` off), as GATv2's is: reading in parts costs CPU time that one
+    input's copy does not repay there.
     """
+
+    reads_row_chunks = True
+    reads_rows_every_step = False
 
     @staticmethod
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
@@ -234,7 +263,8 @@ class GatAttentionFunction(torch.autograd.Function):
         )  # fmt: skip
         del mask
 
-        ctx.save_for_backward(x_src, a_src, a_dst, rowptr, col, perm, state)
+        # the (N * H) x C view where it is one (see the class docstring)
+        ctx.save_for_backward(as_rows(x_src), a_src, a_dst, rowptr, col, perm, state)
         ctx.negative_slope = slope
         ctx.dropout = float(dropout)
         ctx.chunk_bytes = int(chunk_bytes)
@@ -249,42 +279,54 @@ class GatAttentionFunction(torch.autograd.Function):
     def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
         """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
         at once (its outputs included, its saved inputs and ``grad_out`` not), from the shapes
-        the forward recorded: what the memory-budget planner counts for the sensitivity probe's
-        replay of this node (`gact_graph.budget.probe_cost`), which hands the replayed input
-        as a dense copy. None where ``layouts`` (those of the compressed inputs the node read)
-        holds more than one (the replay of one would dequantize another whole inside the
-        node), and for the probe's walk (``walk``: its compressed inputs are dequantized whole
-        inside the node, which this bound leaves out). `lean_gat_backward_bytes` derives it
-        from the code of `backward`."""
-        if walk or len(list(layouts)) > 1:
+        the forward recorded, in the sensitivity probe's work (`gact_graph.budget.probe_cost`),
+        ``layouts`` the group layouts of the compressed inputs the node read: in a replay
+        (``walk`` false) the replayed input is handed as the replay's dense copy; in the
+        probe's walk through the node (``walk``) a compressed ``x_src`` is handed as a matrix
+        read in parts (`reads_row_chunks`, `SourceRows`). None where ``layouts`` holds more
+        than one (the replay of one would dequantize another whole inside the node), and in
+        the walk where the one is not ``x_src``'s (N * H) x C matrix in a layout `RowCodes`
+        reads (the backward would dequantize it whole). `lean_gat_backward_bytes` derives
+        it from the code of `backward`."""
+        layouts = list(layouts)
+        if len(layouts) > 1:
             return None
         num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype, permuted = (
             ctx.shapes
         )
+        features = layouts[0] if walk and layouts else None  # read in parts
+        if walk and layouts and not codes_readable(features):
+            return None
+        if features is not None and (features.rows, features.cols) != (num_src * heads, channels):
+            return None
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         return lean_gat_backward_bytes(
             num_src, num_dst, num_edges, heads, channels, x_dtype, src_dtype, dst_dtype,
-            ctx.dropout, permuted, ctx.chunk_bytes, need_x, need_src, need_dst,
+            ctx.dropout, permuted, ctx.chunk_bytes, need_x, need_src, need_dst, features,
         )  # fmt: skip
 
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
-        x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
+        with reading_rows(ctx._forward_cls.reads_rows_every_step):
+            x_src, a_src, a_dst, rowptr, col, perm, state = ctx.saved_tensors
         need_x, need_src, need_dst = ctx.needs_input_grad[:3]
         need_logits = need_src or need_dst
         num_edges, num_dst = col.numel(), rowptr.numel() - 1
-        heads = x_src.shape[1]
+        heads, channels = ctx.shapes[3:5]
+        # a compressed x_src stays so: gathered from its unpacked codes (`SourceRows`)
+        x_src = SourceRows(x_src, heads, channels)
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         acc = acc_dtype(out_dtype)
         slope, p = ctx.negative_slope, ctx.dropout
-        chunk, wide = chunking(x_src, rowptr, col, ctx.chunk_bytes)  # as in forward
+        # as in forward, or smaller under `lean_backward` (the probe's work)
+        chunk, wide = chunking(x_src, rowptr, col, ctx.chunk_bytes, lean=is_lean())
         m, total = _softmax_stats(a_src, a_dst, wide, num_dst, slope, acc)
         mask, _ = attention_dropout(p, num_edges, heads, out_dtype, x_src.device, perm, state)
         x_dtype = x_src.dtype
 
         # Pass 1 over the edges (chunk x H x C): the features' gradient and the coefficients'.
-        features = [x_src]
+        features = [x_src]  # the reader's only reference: ``split`` releases it
         del x_src
         grad_x, grad_alpha, dot = aggregate_backward(
             features, grad_out,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.sparse.coded_rows import row_matrix
+from gact_graph.sparse.coded_rows import as_rows, row_matrix
 from gact_graph.sparse.differentiable_once import differentiable_once
 from gact_graph.sparse.edge_chunks import check_edge_stage
 from gact_graph.switches import package_work, reading_rows
@@ -108,7 +108,7 @@ class GatFusedFunction(torch.autograd.Function):
             keep_lossless(m)
             keep_lossless(s)
         ctx.x_shape = x_src.shape
-        ctx.save_for_backward(_as_rows(x_src), a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos,
+        ctx.save_for_backward(as_rows(x_src), a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos,
                               m, s, seed)  # fmt: skip
         ctx.negative_slope, ctx.dropout = slope, p
         return out
@@ -188,8 +188,8 @@ class GatV2FusedFunction(torch.autograd.Function):
         if recompute_stats:
             m = s = None
         ctx.shapes = (x_l.shape, x_r.shape)
-        rows_l = _as_rows(x_l)
-        rows_r = rows_l if x_r is x_l else _as_rows(x_r)  # one tensor, saved once
+        rows_l = as_rows(x_l)
+        rows_r = rows_l if x_r is x_l else as_rows(x_r)  # one tensor, saved once
         ctx.save_for_backward(rows_l, rows_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
                               seed)  # fmt: skip
         ctx.negative_slope, ctx.dropout = slope, p
@@ -237,22 +237,13 @@ def gatv2_attention_fused(
     )  # fmt: skip
 
 
-def _as_rows(x: Tensor) -> Tensor:
-    """Features N x H x C as their (N * H) x C view (the same quantization groups), which a
-    probe hands back as a matrix read by rows (`row_matrix`); ``x`` itself where no such
-    view exists."""
-    if x.dim() == 3 and x.is_contiguous() and x.numel() > 0:
-        return x.view(-1, x.shape[-1])
-    return x
-
-
 def _dense(x: Tensor | None) -> Tensor | None:
     """``x``, dequantized whole if it is a compressed matrix read by rows (`row_matrix`)."""
     return x.dense() if x is not None and row_matrix(x) is not None else x
 
 
 def _kernel_features(x: Tensor, shape: torch.Size):
-    """What the fused kernels read of features saved by `_as_rows` (N x H x C = ``shape``):
+    """What the fused kernels read of features saved by `as_rows` (N x H x C = ``shape``):
     the packed codes (`gat_edge.CodedFeatures`) of a compressed matrix read by rows whose
     codes they decode (a `QTensor` of 1 / 2 / 4 / 8 bits, any group layout), else a dense
     N x H x C tensor: the one handed back, or (another compressed kind) its dequantization."""

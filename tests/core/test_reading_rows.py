@@ -1,7 +1,7 @@
 """Compressed matrices read by rows in every step: a Function that sets
-``reads_rows_every_step`` (the fused graph-attention Functions; the chunked row readers, GATv2's
-stage and the normalized-input BatchNorm, have it off and are switched on here) wraps its
-``ctx.saved_tensors`` in `reading_rows`, and the controller's unpack hook hands it a
+``reads_rows_every_step`` (the fused graph-attention Functions; the chunked row readers, GAT's
+and GATv2's stages and the normalized-input BatchNorm, have it off and are switched on here)
+wraps its ``ctx.saved_tensors`` in `reading_rows`, and the controller's unpack hook hands it a
 compressed 2-D activation as a `RowChunked` rather than a dequantized copy
 (`Stored.unpack_rows`). The gradients of a compressed step equal, bit for bit, those of the
 same step with that path switched off (`ROWS_IN_EVERY_STEP`); with grad mode on the unpack
@@ -22,6 +22,7 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.controller import Stored
 from gact_graph.core.quantize import quantize
 from gact_graph.models import build_model
+from gact_graph.sparse import gat as sgat
 from gact_graph.sparse import gat_fused as sfused
 from gact_graph.sparse import gatv2 as sgatv2
 from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
@@ -87,11 +88,12 @@ def _assert_same(a, b):
 
 
 def _row_readers_every_step(monkeypatch):
-    """Patch the chunked row readers (GATv2's chunked stage, the BatchNorm) to read rows in
-    every step too, as the fused Functions do by default."""
+    """Patch the chunked row readers (GAT's and GATv2's chunked stages, the BatchNorm) to
+    read rows in every step too, as the fused Functions do by default."""
     from gact_graph.ops.batchnorm import BatchNormFunction
 
     monkeypatch.setattr(BatchNormFunction, "reads_rows_every_step", True)
+    monkeypatch.setattr(sgat.GatAttentionFunction, "reads_rows_every_step", True)
     monkeypatch.setattr(sgatv2.GatV2AttentionFunction, "reads_rows_every_step", True)
 
 
@@ -111,15 +113,15 @@ def test_chunked_path_is_handed_dense_copies_by_default(name, monkeypatch, hande
 def test_chunked_row_readers_in_every_step_bit_for_bit(name, monkeypatch, handed):
     """With the chunked row readers switched on in every step: every gradient of a fixed
     2-bit step equals, bit for bit, that of the step handed dequantized copies; row-read
-    matrices were handed (the BatchNorms' normalized inputs, and GATv2's features: GAT's
-    chunked stage saves its features N x H x C, which stay dense)."""
+    matrices were handed (the BatchNorms' normalized inputs, GAT's and GATv2's features)."""
     monkeypatch.setattr(sfused, "EDGE_KERNEL", "chunked")
     _row_readers_every_step(monkeypatch)
     dense = _compressed_step(name, False, monkeypatch)
     assert "RowChunked" not in handed, handed
     rows = _compressed_step(name, True, monkeypatch)
-    # each step: one per BatchNorm (1 in GAT / GATv2, 2 in the GCN), 2 per GATv2 layer
-    per_step = {"gat": 1, "gatv2": 1 + 2 * 2, "gcn": 2}[name]
+    # each step: one per BatchNorm (1 in GAT / GATv2, 2 in the GCN), 1 per GAT layer, 2 per
+    # GATv2 layer
+    per_step = {"gat": 1 + 2, "gatv2": 1 + 2 * 2, "gcn": 2}[name]
     assert handed.get("RowChunked") == 2 * per_step, handed
     _assert_same(rows, dense)
 

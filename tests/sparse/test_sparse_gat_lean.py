@@ -1,8 +1,10 @@
-"""GATv2's chunked edge stage reading compressed inputs in parts (`SourceRows` and
-`DestinationRows` of `gact_graph.sparse.coded_rows`): where ``x_l`` and ``x_r`` arrive as
-matrices read a row range at a time (`RowChunked`, what the sensitivity probe hands a
-Function that sets ``reads_row_chunks``), backward never dequantizes either whole, and gives
-the gradients of the stock-autograd reference evaluated at their dequantized values."""
+"""The chunked edge stages reading compressed inputs in parts (`SourceRows` and
+`DestinationRows` of `gact_graph.sparse.coded_rows`): where GATv2's ``x_l`` and ``x_r``, or
+GAT's ``x_src``, arrive as matrices read a row range at a time (`RowChunked`, what the
+sensitivity probe hands a Function that sets ``reads_row_chunks``), backward never
+dequantizes them whole, and gives the gradients of the same backward handed them dequantized
+whole (GAT: bit for bit) and of the stock-autograd reference evaluated at their dequantized
+values."""
 
 import contextlib
 
@@ -13,6 +15,7 @@ from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.sparse import coded_rows as scoded
 from gact_graph.sparse import edge_chunks as sedge
+from gact_graph.sparse import gat as sgat
 from gact_graph.sparse import gatv2 as sgatv2
 from gact_graph.switches import lean_backward
 from tests.sparse.allocations import LargeAllocations
@@ -137,3 +140,78 @@ def test_compressed_inputs_are_never_dequantized_whole():
     with sizes, lean_backward():
         torch.autograd.grad(out, (x_l, x_r, att), w)
     assert sorted(sizes.made) == ["aten.zeros.default"] * 2, sizes.made
+
+
+def _gat_inputs(n, heads, channels, dtype, needs, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, channels, generator=g).to(dtype)
+    a_src = torch.randn(n, heads, generator=g)
+    a_dst = torch.randn(n, heads, generator=g)
+    return [t.requires_grad_(need) for t, need in zip((x, a_src, a_dst), needs)]
+
+
+@pytest.mark.parametrize("heads,channels", [(1, 5), (3, 32), (1, 32), (3, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+def test_gat_features_read_in_parts_give_the_dense_gradients(heads, channels, dtype, dropout,
+                                                              lean, needs):  # fmt: skip
+    """GAT's ``x_src`` saved as its (N * H) x C view and handed as a `RowChunked`: every
+    gradient equals, bit for bit, that of the backward handed it dequantized whole, and the
+    reference's at the dequantized features. 32 channels: groups of whole rows, read from
+    the unpacked codes; 5: groups with padding, which `_Codes` cannot read: a dense copy."""
+    n, bits = 90, 2
+    rowptr, col = _graph(n, 700, seed=heads + channels)
+    leaves = _gat_inputs(n, heads, channels, dtype, needs)
+    wanted = [t for t in leaves if t.requires_grad]
+    readers = []
+
+    class Spy(sgat.SourceRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            readers.append(self.x is None)
+
+    grads = {}
+    for mode in ("dense", "rows"):
+        readers.clear()
+        torch.manual_seed(7)
+        with saved_as(mode, bits, lambda t: tuple(t.shape) == (n * heads, channels)) as packed:
+            out = sgat.gat_attention(*leaves, rowptr, col, 0.2, dropout, None, 2048)
+        assert packed == [(n * heads, channels)], packed  # x_src, as its (N * H) x C view
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        lean_or_not = lean_backward() if lean else contextlib.nullcontext()
+        with pytest.MonkeyPatch.context() as m, lean_or_not:
+            m.setattr(sgat, "SourceRows", Spy)
+            grads[mode] = torch.autograd.grad((out * w).sum(), wanted)
+        # the codes are read where `_Codes` reads the layout, else a dense copy is handed
+        assert readers == [mode == "rows" and channels == 32], (mode, readers)
+    for a, b in zip(grads["rows"], grads["dense"], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    x_hat = dequantized(leaves[0], bits).float().requires_grad_(needs[0])
+    ref_leaves = [x_hat, leaves[1], leaves[2]]
+    torch.manual_seed(7)
+    ref = sgat.gat_attention_reference(*ref_leaves, rowptr, col.long(), 0.2, dropout)
+    g_ref = torch.autograd.grad((ref * w.float()).sum(), [t for t in ref_leaves if t.requires_grad])
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    for a, r in zip(grads["rows"], g_ref, strict=True):
+        torch.testing.assert_close(a.float(), r.float(), **tol)
+
+
+def test_gat_features_are_never_dequantized_whole():
+    """Under `lean_backward` with ``x_src`` read in parts, no ATen op makes a tensor the size
+    of ``x_src`` but its gradient (N x H x C)."""
+    n, heads, channels = 400, 2, 32
+    rowptr, col = _graph(n, 3000, seed=2)
+    leaves = _gat_inputs(n, heads, channels, torch.float32, (True, True, True))
+    big = leaves[0].numel() * 4
+    with saved_as("rows", 2, lambda t: tuple(t.shape) == (n * heads, channels)) as packed:
+        # edge chunks whose gathers stay below the features' size
+        out = sgat.gat_attention(*leaves, rowptr, col, 0.2, 0.3, None, big // 2)
+    assert packed == [(n * heads, channels)], packed
+    w = torch.randn(out.shape)
+    sizes = LargeAllocations(big)
+    with sizes, lean_backward():
+        torch.autograd.grad(out, leaves, w)
+    assert sorted(sizes.made) == ["aten.zeros.default"], sizes.made
