@@ -1,22 +1,23 @@
-"""Every Triton kernel outside the GAT edge stage compiles for sm_90 (H100, H200) without a GPU:
-the quantizer and dequantizer (`gact_graph.kernels.quantize`, with the RNG helpers of
-`gact_graph.kernels.rng` it calls), the mask packing (`gact_graph.kernels.mask_pack`), the
-content hash (`gact_graph.kernels.content_hash`) and `rng.uniform`. (`bitpack` and `layout`
-hold no kernel; the GAT edge kernels' compile test is in ``test_gat_edge.py``.)
+"""Every Triton kernel in `gact_graph.kernels` compiles for sm_90 (H100, H200) without a GPU, as
+its launcher launches it: the quantizer and dequantizer (`gact_graph.kernels.quantize`, with the
+RNG helpers of `gact_graph.kernels.rng` it calls), the mask packing (`mask_pack`), the content
+hash (`content_hash`), `rng.uniform`, and the GAT / GATv2 edge kernels (`gat_edge`) at each
+blocking their tuner can pick, with dense features (``test_gat_edge.py`` compiles them from a
+signature written there, codes included). `bitpack` and `layout` hold no kernel.
 
 The CPU kernel tests run in Triton's interpreter, which checks neither types nor layouts, so a
 kernel they pass may still be one the compiler refuses. Each case here runs the library's own
-entry point (`quantize` / `QTensor.dequantize`, `pack_bool_mask`, the adjacency's content hash)
-on CPU tensors with the kernels' launches recorded (`tests.kernels.compiled`), and compiles
-each launch as the device would for those arguments: signature, constexprs, specialization and
-options all come from what the launcher passes.
+entry point (`quantize` / `QTensor.dequantize`, `pack_bool_mask`, the adjacency's content hash,
+the edge stage's forward and backward) on CPU tensors with the kernels' launches recorded
+(`tests.kernels.compiled`), and compiles each launch as the device would for those arguments:
+signature, constexprs, specialization and options all come from what the launcher passes.
 
 Compiling costs about a second a launch, so the cases are the combinations that reach distinct
 code, not the whole product; `test_cases_cover_every_tile_shape_and_switch` checks that they
 still reach every tile shape the tuner's candidates give and every switch of the kernels, so a
 new candidate or branch in the launcher fails there until a case covers it. sm_80 (A100) gets
-the cases whose instructions depend on the architecture (conversions of each dtype, 64-bit
-arithmetic, atomics), not the tile shapes again.
+a few cases only (the device machines are H100 / H200): two of the quantizer's, and the small
+kernels, whose conversions of each dtype and 64-bit atomics depend on the architecture.
 """
 
 from __future__ import annotations
@@ -179,13 +180,11 @@ def record_quant(case: QCase, monkeypatch) -> list:
 
 
 def _quant_targets() -> list:
-    """Every case for sm_90; for sm_80 one per input dtype (each its own conversions) and the
-    ``WIDE`` one (64-bit integer arithmetic), with the default configuration."""
+    """Every case for sm_90; for sm_80 two with the default configuration: fp32 at 1 bit (its
+    layout change through shared memory) and bf16 at 2 bits."""
     out = [pytest.param(c, HOPPER, id=f"sm90-{c.id}") for c in QUANT_CASES]
-    ampere = [c for c in QUANT_CASES if c.config is None and c.shape == (BIG, 256)]
-    ampere = [c for c in ampere if c.wide or (c.dtype, c.bits) in
-              {("fp32", 1), ("bf16", 2), ("fp16", 8), ("fp64", 4)}]  # fmt: skip
-    return out + [pytest.param(c, AMPERE, id=f"sm80-{c.id}") for c in ampere]
+    ampere = [QCase((BIG, 256), "fp32", 1), QCase((BIG, 256), "bf16", 2)]
+    return out + [pytest.param(c, AMPERE, id=f"sm80-{c.id}") for c in ampere if HAS_TRITON]
 
 
 @pytest.mark.parametrize("case, capability", _quant_targets())
@@ -270,6 +269,77 @@ def test_rng_uniform_compiles(seed, capability):
     with recorded_launches(_uniform_kernel) as launches:
         _uniform_kernel[(1,)](offsets, out, seed, offsets.numel(), BLOCK=16)
     compile_all(launches, capability)
+
+
+# ---------------------------------------------------------------------------- GAT blockings
+#: the edge-stage kernels a GAT / GATv2 layer's forward and backward launch
+GAT_KERNELS = ("_gat_edge_fwd_kernel", "_gat_edge_bwd_dst_kernel", "_gat_edge_bwd_src_kernel",
+               "_gatv2_edge_fwd_kernel", "_gatv2_edge_bwd_dst_kernel",
+               "_gatv2_edge_bwd_src_kernel")  # fmt: skip
+
+
+def _gat_cases() -> list:
+    """``test_gat_edge.py`` compiles each edge kernel at one blocking (16 edges per block, 2
+    rows per program, 4 warps, 128 channels) from a signature written there. Here each kernel
+    compiles as its launcher launches it, with dense fp32 features, dense 16-bit ones (bf16
+    and fp16 in turn: the launcher passes the features as the unused metadata pointer too),
+    and, where it reads them, 2-bit codes (`CodedFeatures`, of bf16 or fp16 features in
+    turn); dropout on; widths of 256 and 40 channels (not a power of two) in turn. On a GPU the
+    first step times up to four blockings per kernel, and a compile error there (unlike a
+    kernel too large for the device) is not caught: the cases take every blocking the tuner
+    can pick for some degree bucket in turn, each at least twice."""
+    if not HAS_TRITON:
+        return []
+    from gact_graph.kernels import gat_edge as ge
+
+    blockings = sorted({c for i in range(11) for c in ge._candidates(1 << i)})
+    cases = []
+    for k, name in enumerate(GAT_KERNELS):
+        reads_codes = any(p.name.endswith("_BITS") for p in getattr(ge, name).params)
+        half = ("bf16", "fp16")[k % 2]
+        channels = (256, 40)[k % 2]
+        for form in ("fp32", half, f"{half}-codes") if reads_codes else ("fp32", half):
+            blocking = blockings[len(cases) % len(blockings)]
+            cases.append(pytest.param(name, blocking, channels, form,
+                                      id=f"{name}-{form}-{channels}-{blocking}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("name, blocking, channels, form", _gat_cases())
+def test_gat_edge_blockings_compile_for_hopper(name, blocking, channels, form):
+    from gact_graph.kernels import gat_edge as ge
+    from tests.kernels.test_gat_edge import graph
+
+    rowptr, col, n = graph("huge_row")
+    heads, dt = 2, FLOATS[form.split("-")[0]]
+    x, x_r, out = (torch.zeros(n, heads, channels, dtype=dt) for _ in range(3))
+    if form.endswith("-codes"):  # how the layer hands the kernels its saved features
+        q = quantize(x.reshape(n * heads, channels), 2, seed=0)
+        x = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
+        q = quantize(x_r.reshape(n * heads, channels), 2, seed=1)
+        x_r = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
+    a, m, s = (torch.zeros(n, heads) for _ in range(3))
+    att = torch.zeros(heads, channels, dtype=dt)
+    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, n)
+    seed = torch.zeros(1, dtype=torch.int64)
+    drop = dict(dropout=0.1, seed=seed, config=blocking)
+    coded = isinstance(x, ge.CodedFeatures)
+    with recorded_launches(*(getattr(ge, k) for k in GAT_KERNELS)) as launches:
+        if "gatv2" in name:
+            ge.gatv2_edge_forward(x, x_r, att, rowptr, col, stats_only=coded, **drop)
+            ge.gatv2_edge_backward(out, x, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
+                                   **drop)  # fmt: skip
+        else:
+            if not coded:  # its forward reads the dense features only
+                ge.gat_edge_forward(x, a, a, rowptr, col, **drop)
+            ge.gat_edge_backward(out, x, a, a, rowptr, col, t_rowptr, t_col, t_pos, m, s, **drop)
+    launches = [la for la in launches if la.kernel is getattr(ge, name)]
+    assert launches, f"{name} was not launched"
+    for la in launches:
+        assert la.kwargs["num_warps"] == blocking[2] and la.constexprs()["BLOCK_E"] == blocking[0]
+        bits = [v for k, v in la.constexprs().items() if k.endswith("_BITS")]
+        assert all(b == (2 if coded else 0) for b in bits), la.constexprs()
+    compile_all(launches, HOPPER)
 
 
 # ---------------------------------------------------------------------------- the harness
