@@ -278,16 +278,32 @@ GAT_KERNELS = ("_gat_edge_fwd_kernel", "_gat_edge_bwd_dst_kernel", "_gat_edge_bw
                "_gatv2_edge_bwd_src_kernel")  # fmt: skip
 
 
+#: switches of the layer's calls, in turn per kernel: everything on; dropout off, no
+#: destination logits (``a_dst`` None), the transpose in CSR order (no ``t_pos``) and only some
+#: gradients needed; others needed. ``needs`` as each backward takes it (GAT: x, a_src, a_dst;
+#: GATv2: x_l, x_r, att).
+GAT_VARIANTS = (
+    dict(dropout=0.1, dst=True, pos=True, gat_needs=(True, True, True),
+         v2_needs=(True, True, True)),
+    dict(dropout=0.0, dst=False, pos=False, gat_needs=(False, True, False),
+         v2_needs=(True, False, False)),
+    dict(dropout=0.1, dst=True, pos=True, gat_needs=(True, False, True),
+         v2_needs=(True, False, True)),
+)  # fmt: skip
+
+
 def _gat_cases() -> list:
     """``test_gat_edge.py`` compiles each edge kernel at one blocking (16 edges per block, 2
-    rows per program, 4 warps, 128 channels) from a signature written there. Here each kernel
-    compiles as its launcher launches it, with dense fp32 features, dense 16-bit ones (bf16
-    and fp16 in turn: the launcher passes the features as the unused metadata pointer too),
-    and, where it reads them, 2-bit codes (`CodedFeatures`, of bf16 or fp16 features in
-    turn); dropout on; widths of 256 and 40 channels (not a power of two) in turn. On a GPU the
-    first step times up to four blockings per kernel, and a compile error there (unlike a
-    kernel too large for the device) is not caught: the cases take every blocking the tuner
-    can pick for some degree bucket in turn, each at least twice."""
+    rows per program, 4 warps, 128 channels, every switch on) from a signature written there.
+    Here each kernel compiles as its launcher launches it, with dense fp32 features, dense
+    16-bit ones (bf16 and fp16 in turn: the launcher passes the features as the unused
+    metadata pointer too), and, where it reads them, 2-bit codes (`CodedFeatures`, of bf16 or
+    fp16 features in turn), each with the next of `GAT_VARIANTS` (so every switch compiles
+    both ways: `test_gat_cases_cover_every_switch`); widths of 256 and 40 channels (not a
+    power of two) in turn. On a GPU the first step times up to four blockings per kernel, and
+    a compile error there (unlike a kernel too large for the device) is not caught: the cases
+    take every blocking the tuner can pick for some degree bucket in turn, each at least
+    twice."""
     if not HAS_TRITON:
         return []
     from gact_graph.kernels import gat_edge as ge
@@ -298,18 +314,24 @@ def _gat_cases() -> list:
         reads_codes = any(p.name.endswith("_BITS") for p in getattr(ge, name).params)
         half = ("bf16", "fp16")[k % 2]
         channels = (256, 40)[k % 2]
-        for form in ("fp32", half, f"{half}-codes") if reads_codes else ("fp32", half):
+        forms = ("fp32", half, f"{half}-codes") if reads_codes else ("fp32", half)
+        for variant, form in enumerate(forms):
             blocking = blockings[len(cases) % len(blockings)]
-            cases.append(pytest.param(name, blocking, channels, form,
-                                      id=f"{name}-{form}-{channels}-{blocking}"))  # fmt: skip
+            case_id = f"{name}-{form}-{channels}-{blocking}-v{variant}"
+            cases.append(pytest.param(name, blocking, channels, form, variant, id=case_id))
     return cases
 
 
-@pytest.mark.parametrize("name, blocking, channels, form", _gat_cases())
-def test_gat_edge_blockings_compile_for_hopper(name, blocking, channels, form):
+GAT_CASES = _gat_cases()
+
+
+def record_gat(name, blocking, channels, form, variant) -> list:
+    """The launches of ``name`` in a GAT / GATv2 edge stage's forward and backward on a small
+    graph with one high-degree row, as the layer calls them (`GAT_VARIANTS`)."""
     from gact_graph.kernels import gat_edge as ge
     from tests.kernels.test_gat_edge import graph
 
+    v = GAT_VARIANTS[variant]
     rowptr, col, n = graph("huge_row")
     heads, dt = 2, FLOATS[form.split("-")[0]]
     x, x_r, out = (torch.zeros(n, heads, channels, dtype=dt) for _ in range(3))
@@ -319,27 +341,50 @@ def test_gat_edge_blockings_compile_for_hopper(name, blocking, channels, form):
         q = quantize(x_r.reshape(n * heads, channels), 2, seed=1)
         x_r = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
     a, m, s = (torch.zeros(n, heads) for _ in range(3))
+    a_dst = a if v["dst"] else None
     att = torch.zeros(heads, channels, dtype=dt)
     t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, n)
-    seed = torch.zeros(1, dtype=torch.int64)
-    drop = dict(dropout=0.1, seed=seed, config=blocking)
+    t_pos = t_pos if v["pos"] else None
+    seed = torch.zeros(1, dtype=torch.int64) if v["dropout"] else None
+    drop = dict(dropout=v["dropout"], seed=seed, config=blocking)
     coded = isinstance(x, ge.CodedFeatures)
+    transpose = (t_rowptr, t_col, t_pos, m, s)
     with recorded_launches(*(getattr(ge, k) for k in GAT_KERNELS)) as launches:
         if "gatv2" in name:
             ge.gatv2_edge_forward(x, x_r, att, rowptr, col, stats_only=coded, **drop)
-            ge.gatv2_edge_backward(out, x, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
-                                   **drop)  # fmt: skip
+            ge.gatv2_edge_backward(out, x, x_r, att, rowptr, col, *transpose,
+                                   needs=v["v2_needs"], **drop)  # fmt: skip
         else:
             if not coded:  # its forward reads the dense features only
-                ge.gat_edge_forward(x, a, a, rowptr, col, **drop)
-            ge.gat_edge_backward(out, x, a, a, rowptr, col, t_rowptr, t_col, t_pos, m, s, **drop)
+                ge.gat_edge_forward(x, a, a_dst, rowptr, col, **drop)
+            ge.gat_edge_backward(out, x, a, a_dst, rowptr, col, *transpose,
+                                 needs=v["gat_needs"], **drop)  # fmt: skip
     launches = [la for la in launches if la.kernel is getattr(ge, name)]
     assert launches, f"{name} was not launched"
     for la in launches:
         assert la.kwargs["num_warps"] == blocking[2] and la.constexprs()["BLOCK_E"] == blocking[0]
         bits = [v for k, v in la.constexprs().items() if k.endswith("_BITS")]
         assert all(b == (2 if coded else 0) for b in bits), la.constexprs()
-    compile_all(launches, HOPPER)
+    return launches
+
+
+@pytest.mark.parametrize("name, blocking, channels, form, variant", GAT_CASES)
+def test_gat_edge_blockings_compile_for_hopper(name, blocking, channels, form, variant):
+    compile_all(record_gat(name, blocking, channels, form, variant), HOPPER)
+
+
+def test_gat_cases_cover_every_switch():
+    """Each GAT / GATv2 kernel's boolean switches take both values over the cases above
+    (recorded, nothing compiled)."""
+    seen: dict[str, set] = {}
+    for case in GAT_CASES:
+        for la in record_gat(*case.values):
+            flags = {(k, v) for k, v in la.constexprs().items() if isinstance(v, bool)}
+            seen.setdefault(la.kernel.__name__, set()).update(flags)
+    assert set(seen) == set(GAT_KERNELS)
+    for kernel, flags in seen.items():
+        for name in {k for k, _ in flags}:
+            assert {(name, False), (name, True)} <= flags, (kernel, name)
 
 
 # ---------------------------------------------------------------------------- the harness
