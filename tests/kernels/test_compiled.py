@@ -200,6 +200,23 @@ def test_quantizer_compiles(case, capability, monkeypatch):
     compile_all(launches, capability)
 
 
+@pytest.mark.parametrize("shape, first", [((BIG, 256), 1), ((700, 13), 19)],
+                         ids=["256-wide", "19-rows-per-group"])  # fmt: skip
+def test_row_range_dequantizes_compile(shape, first, monkeypatch):
+    """`QTensor.rows` (BatchNorm's and GAT's backward read saved tensors by row ranges) hands
+    the dequantizer codes and metadata that start past the first group: pointers aligned to
+    4 bytes only (the metadata; the codes too with 62-byte groups), so Triton specializes
+    them otherwise than the whole tensor's (2 bits, bf16)."""
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    q = quantize(x, 2, 256, seed=0)  # the CPU reference: only the dequantize is recorded
+    part = q.rows(first, shape[0] - first)
+    monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
+    with recorded_launches(kq._unpack_dequantize_kernel) as launches:
+        part.dequantize()
+    assert part.meta.data_ptr() % 16 != 0
+    compile_all(launches)
+
+
 def test_cases_cover_every_tile_shape_and_switch(monkeypatch):
     """What the cases above reach (recorded, nothing compiled): every bit width in both
     kernels, every tile shape (``H, T, V, GROUPS``, warps) the tuner's candidates give dense
