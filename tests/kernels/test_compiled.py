@@ -2,8 +2,9 @@
 its launcher launches it: the quantizer and dequantizer (`gact_graph.kernels.quantize`, with the
 RNG helpers of `gact_graph.kernels.rng` it calls), the mask packing (`mask_pack`), the content
 hash (`content_hash`), `rng.uniform`, and the GAT / GATv2 edge kernels (`gat_edge`) at each
-blocking their tuner can pick, with dense features (``test_gat_edge.py`` compiles them from a
-signature written there, codes included). `bitpack` and `layout` hold no kernel.
+blocking their tuner can pick, with dense and coded features and every switch both ways, and
+their dropout mask's kernel (``test_gat_edge.py`` also compiles them, from a signature written
+there). `bitpack` and `layout` hold no kernel.
 
 The CPU kernel tests run in Triton's interpreter, which checks neither types nor layouts, so a
 kernel they pass may still be one the compiler refuses. Each case here runs the library's own
@@ -402,6 +403,15 @@ def test_gat_cases_cover_every_switch():
     for kernel, flags in seen.items():
         for name in {k for k, _ in flags}:
             assert {(name, False), (name, True)} <= flags, (kernel, name)
+
+
+def test_gat_dropout_keep_mask_compiles_for_hopper():
+    """The kernel that materializes the edge kernels' dropout mask (tests and debugging)."""
+    from gact_graph.kernels import gat_edge as ge
+
+    with recorded_launches(ge._gat_edge_keep_kernel) as launches:
+        ge.gat_edge_dropout_keep(torch.zeros(1, dtype=torch.int64), 300, 3, 0.1)
+    compile_all(launches, HOPPER)
 
 
 # ---------------------------------------------------------------------------- the harness
