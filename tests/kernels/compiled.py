@@ -90,7 +90,9 @@ def compile_launch(launch: Launch, capability: int = 90):
     """Compile ``launch``'s kernel for ``sm_<capability>`` as Triton would compile it on that
     device for these arguments (Triton's launch binder derives the signature, constexprs,
     specialization and options); returns the compiled kernel (``.asm["ptx"]``,
-    ``.asm["cubin"]``)."""
+    ``.asm["cubin"]``). The binder is the one ``JITFunction.run`` calls
+    (``create_function_from_signature``, ``_pack_args``: the same in Triton 3.6 and 3.9); a
+    Triton that changes them fails here loudly, rather than compiling something else."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
