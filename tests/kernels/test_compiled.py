@@ -119,7 +119,7 @@ def _quant_cases() -> list[QCase]:
     whose last group ends early (its own one-group launch), a strided view (a transpose, read
     in place), a tensor of 5 elements (one 8-element group, one group per program), fp64
     input, and 64-bit RNG offsets (``WIDE``)."""
-    if not HAS_TRITON:
+    if not HAS_TRITON or INTERPRETED:
         return []
     big = (BIG, 256)
     cases = [QCase(big, d, b) for d in ("fp32", "bf16") for b in SUPPORTED_BITS]
@@ -185,7 +185,7 @@ def _quant_targets() -> list:
     layout change through shared memory) and bf16 at 2 bits."""
     out = [pytest.param(c, HOPPER, id=f"sm90-{c.id}") for c in QUANT_CASES]
     ampere = [QCase((BIG, 256), "fp32", 1), QCase((BIG, 256), "bf16", 2)]
-    return out + [pytest.param(c, AMPERE, id=f"sm80-{c.id}") for c in ampere if HAS_TRITON]
+    return out + [pytest.param(c, AMPERE, id=f"sm80-{c.id}") for c in ampere if QUANT_CASES]
 
 
 @pytest.mark.parametrize("case, capability", _quant_targets())
@@ -322,7 +322,7 @@ def _gat_cases() -> list:
     a compile error there (unlike a kernel too large for the device) is not caught: the cases
     take every blocking the tuner can pick for some degree bucket in turn, each at least
     twice."""
-    if not HAS_TRITON:
+    if not HAS_TRITON or INTERPRETED:
         return []
     from gact_graph.kernels import gat_edge as ge
 
