@@ -179,45 +179,33 @@ def format_table(res: dict) -> str:
 
 
 def _sass_row(kind: str, tname: str, bits: int, cfg, group_size: int) -> str:
-    """One row of :func:`sass_report`: compile ``kind`` for sm_90 and count its SASS."""
+    """One row of :func:`sass_report`: compile ``kind`` for sm_90 and count its SASS. The launch
+    compiled is the one the launcher makes for a dense ``(64, group_size)`` tensor under
+    ``cfg`` (recorded on CPU tensors, nothing runs; ``tests/kernels/compiled.py``), so its
+    signature and specialization are the device's."""
     import re
     import subprocess
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from gact_graph.kernels import quantize as kq
+    from tests.kernels.compiled import compile_launch, recorded_launches
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    aligned = [["tt.divisibility", 16]]
-    ints = ("numel", "R", "C", "stride_r", "stride_c", "num_groups", "group0", "n", "k", "W")
     fn = kq._quantize_pack_kernel if kind == "quantize" else kq._unpack_dequantize_kernel
-    size = {"fp32": 4, "bf16": 2, "fp16": 2}[tname]
-    h, t, v = kq.tile_shape(group_size, bits, size, cfg.threads, cfg.run)
-    groups = max(1, cfg.elems // (h * t * v))
-    sig = {}
-    for name in fn.arg_names:
-        if name in ints or name == "key":
-            sig[name] = "i32"
-        elif name == "inv_levels":
-            sig[name] = "fp32"
-    sig.update({"x_ptr": f"*{tname}", "packed_ptr": "*u8", "meta_ptr": "*i32"})
-    if kind == "dequantize":
-        sig["out_ptr"] = "*i16" if tname == "bf16" else f"*{tname}"
-    cx = {"BITS": bits, "G": group_size, "GROUPS": groups, "H": h, "T": t, "V": v,
-          "DENSE": True, "PARTIAL": False, "SPLIT": True}  # fmt: skip
-    if kind == "quantize":
-        cx["WIDE"] = False
-    else:
-        cx.update(OUT_BF16=tname == "bf16", OUT_FP16=tname == "fp16")
-    sig = {k: sig[k] for k in fn.arg_names if k in sig}
-    sig.update(dict.fromkeys(cx, "constexpr"))
-    src = ASTSource(fn=fn, signature=sig, constexprs=cx,
-                    attrs={(i,): aligned for i in range(3)})  # fmt: skip
-    opts = {"num_warps": cfg.warps, "enable_fp_fusion": False}
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[tname]
+    x = torch.zeros(64, group_size, dtype=dtype)
+    with kq.forced_config(cfg), recorded_launches(fn) as launches:
+        if kind == "quantize":
+            kq.triton_quantize(x, bits, group_size, 0)
+        else:
+            packed, meta = kq.quantize_reference(x, bits, group_size, 0)
+            kq.triton_dequantize(packed, meta, bits, x.shape, dtype, group_size)
+    (launch,) = launches
+    cx = launch.constexprs()
+    groups, h, t, v = cx["GROUPS"], cx["H"], cx["T"], cx["V"]
+    k = compile_launch(launch, 90)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -227,7 +215,7 @@ def _sass_row(kind: str, tname: str, bits: int, cfg, group_size: int) -> str:
                                 f.name], capture_output=True, text=True).stdout  # fmt: skip
     regs = re.search(r"REG:(\d+)", usage)
     n = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln))
-    per_thread = groups * h * t * v / (32 * cfg.warps)
+    per_thread = groups * h * t * v / (32 * launch.kwargs["num_warps"])
     ptx = k.asm["ptx"]
     ld = sorted(set(re.findall(r"ld\.global(?:\.v\d)?\.b\d+", ptx)))
     st = sorted(set(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx)))

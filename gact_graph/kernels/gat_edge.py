@@ -204,21 +204,27 @@ if triton is not None:
                          BITS: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
         """`_gather` of node features that are dense (``BITS == 0``) or quantized codes
         (``ptr`` the packed bytes, ``meta_ptr`` the groups' metadata words; `_decode`)."""
+        # if / else, not an early return: Triton compiles what follows a return in a
+        # constexpr branch too, and `_decode` does not compile for dense 16-bit features
         if BITS == 0:
-            return _gather(ptr, nodes, h, H * C, C, offs_c, emask, cmask)
-        r = nodes * H + h
-        return _decode(ptr, meta_ptr, r[:, None], offs_c[None, :],
-                       emask[:, None] & cmask[None, :], C, qk, qn, qg, BITS, ROUND)  # fmt: skip
+            val = _gather(ptr, nodes, h, H * C, C, offs_c, emask, cmask)
+        else:
+            r = nodes * H + h
+            val = _decode(ptr, meta_ptr, r[:, None], offs_c[None, :],
+                          emask[:, None] & cmask[None, :], C, qk, qn, qg, BITS, ROUND)  # fmt: skip
+        return val
 
     @triton.jit
     def _feature_row(ptr, meta_ptr, row, h, H, C, offs_c, mask, qk, qn, qg,
                      BITS: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
         """`_load_row` of node features that are dense or quantized codes, as
         `_gather_features`."""
-        if BITS == 0:
-            return _load_row(ptr, row, h, H * C, C, offs_c, mask)
-        return _decode(ptr, meta_ptr, offs_c * 0 + (row * H + h), offs_c, mask, C, qk, qn, qg,
-                       BITS, ROUND)  # fmt: skip
+        if BITS == 0:  # (if / else as in `_gather_features`)
+            val = _load_row(ptr, row, h, H * C, C, offs_c, mask)
+        else:
+            val = _decode(ptr, meta_ptr, offs_c * 0 + (row * H + h), offs_c, mask, C, qk, qn,
+                          qg, BITS, ROUND)  # fmt: skip
+        return val
 
     @triton.jit
     def _transposed_multiplier(seed, t_pos_ptr, j, emask, h, H, p, drop_scale,

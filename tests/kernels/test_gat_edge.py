@@ -2,8 +2,9 @@
 values and every gradient, dropout on and off (the kernels' own mask, materialized by
 `gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one huge-degree
 row, H = 1 and 8, C not a power of two; the patched `GATConv` / `GATv2Conv` on the kernels
-against the chunked PyTorch stage (and under CB1's recomputation); every kernel compiled for
-sm_90 without a GPU; on CUDA, a 70,000-node graph and no host sync in a steady-state step.
+against the chunked PyTorch stage (and under CB1's recomputation); on CUDA, a 70,000-node
+graph and no host sync in a steady-state step (`test_compiled.py` compiles every kernel for
+sm_90 without a GPU).
 
 Without CUDA the kernel tests run in Triton's CPU interpreter, which has to be switched on
 (``TRITON_INTERPRET=1``) before Triton is imported; the conftest's imports (PyG) import Triton
@@ -20,7 +21,6 @@ from tests.kernels.interpreted import (
     DEVICE,
     HAS_CUDA,
     HAS_TRITON,
-    INTERPRETED,
     interpreter_test,
     needs_kernels,
 )
@@ -606,57 +606,5 @@ def test_cuda_patched_layer_steady_state_makes_no_host_sync(conv_name, request, 
     assert len(calls) == 3  # every call ran on the kernels
 
 
-# ---------------------------------------------------------------------------- compiled
-_POINTERS = {
-    "rowptr_ptr": "*i64", "t_rowptr_ptr": "*i64", "seed_ptr": "*i64", "col_ptr": "*i32",
-    "t_col_ptr": "*i32", "t_pos_ptr": "*i32", "keep_ptr": "*i8", "x_meta_ptr": "*i32",
-    "xl_meta_ptr": "*i32", "xr_meta_ptr": "*i32",
-}  # fmt: skip
-_CONSTANTS = {"ROWS": 2, "BLOCK_E": 16, "BLOCK_C": 128, "BLOCK": 128}
-#: the features' bits and rounding: dense bf16 features, or 2-bit codes of bf16 ones
-_FEATURES = {False: {"X_BITS": 0, "L_BITS": 0, "R_BITS": 0, "X_ROUND": 0},
-             True: {"X_BITS": 2, "L_BITS": 2, "R_BITS": 2, "X_ROUND": 1}}  # fmt: skip
-
-
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="interpreted kernels / no Triton")
-@pytest.mark.parametrize(
-    "name",
-    ["_gat_edge_fwd_kernel", "_gat_edge_bwd_dst_kernel", "_gat_edge_bwd_src_kernel",
-     "_gatv2_edge_fwd_kernel", "_gatv2_edge_bwd_dst_kernel", "_gatv2_edge_bwd_src_kernel",
-     "_gat_edge_keep_kernel"],
-)  # fmt: skip
-@pytest.mark.parametrize("coded", [False, True])
-def test_kernels_compile_for_hopper_without_a_gpu(name, coded):
-    """The interpreter runs what Triton would refuse to compile (it checks neither types nor
-    layouts): compile each kernel for sm_90 (Triton's own toolchain, no GPU needed), with
-    every feature switched on and bf16 features, dense or read from their 2-bit codes
-    (`CodedFeatures`)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = getattr(ge, name)
-    signature, constants = {}, {}
-    for param in kernel.params:
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[param.name] = {**_CONSTANTS, **_FEATURES[coded]}.get(param.name, True)
-        elif param.name.endswith("_ptr"):
-            features = param.name in ("x_ptr", "xl_ptr", "xr_ptr")
-            bf16 = features or param.name in ("gx_ptr", "gxl_ptr", "gxr_ptr")
-            kind = "*u8" if coded and features else "*bf16" if bf16 else "*fp32"
-            signature[param.name] = _POINTERS.get(param.name, kind)
-        elif param.name in ("slope", "p", "drop_scale"):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = "i32"
-    try:
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    except (ImportError, FileNotFoundError) as err:  # no NVIDIA backend / ptxas shipped
-        pytest.skip(f"no CUDA toolchain in this Triton: {err}")
-    assert compiled.asm["cubin"]
-
-
 # ---------------------------------------------------------------------------- interpreter
-test_interpreter_in_subprocess = interpreter_test("not subprocess and not cuda and not compile")
+test_interpreter_in_subprocess = interpreter_test("not subprocess and not cuda")
