@@ -213,13 +213,17 @@ suite = {"stages": stages, "environment": env, "wall_seconds": int(time.time()) 
 parts = ["# GPU benchmark suite", "", "Environment:", "", *[f"    {e}" for e in env], ""]
 parts += ["| stage | exit | seconds |", "| --- | --- | ---: |"]
 parts += [f"| {s['stage']} | {s['exit']} | {s['seconds']} |" for s in stages]
-renderers = {
-    "activation_memory.json": ("activation_memory", "Activation memory"),
-    "step_time.json": ("step_time", "Step time"),
-    "scaling.json": ("scaling", "Scaling (max depth / width)"),
-    "largest_graph.json": ("largest_graph", "Largest graph"),
-}
-for fname, (module, title) in renderers.items():
+# the tables of the stages this run ran (file, stage, renderer module, title)
+ran = {s["stage"] for s in stages}
+renderers = [
+    ("activation_memory.json", "memory", "activation_memory", "Activation memory"),
+    ("step_time.json", "step_time", "step_time", "Step time"),
+    ("scaling.json", "scaling", "scaling", "Scaling (max depth / width)"),
+    ("largest_graph.json", "largest", "largest_graph", "Largest graph"),
+]
+for fname, stage, module, title in renderers:
+    if stage not in ran:
+        continue
     path = out / fname
     parts += ["", f"## {title}", ""]
     if not path.exists():
@@ -232,8 +236,9 @@ for fname, (module, title) in renderers.items():
     except Exception as exc:  # keep the raw file; say why the table is missing
         parts.append(f"(could not render {fname}: {type(exc).__name__}: {exc})")
 q = out / "bench_quantize.json"
-parts += ["", "## Quantize kernels", ""]
-parts.append(f"```\n{q.read_text()[:4000]}\n```" if q.exists() else "(no bench_quantize.json)")
+if "quantize" in ran:
+    parts += ["", "## Quantize kernels", ""]
+    parts.append(f"```\n{q.read_text()[:4000]}\n```" if q.exists() else "(no bench_quantize.json)")
 (out / "SUMMARY.md").write_text("\n".join(parts) + "\n")
 print("wrote", out / "suite.json", "and", out / "SUMMARY.md")
 EOF
