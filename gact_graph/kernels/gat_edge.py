@@ -567,8 +567,9 @@ if triton is not None:
             )  # fmt: skip
 
 # ---------------------------------------------------------------------------- blocking
-#: (BLOCK_E, ROWS, num_warps) candidates; the first is the untimed default.
-_CANDIDATES = [(16, 1, 4), (32, 1, 4), (16, 4, 4), (64, 1, 4), (32, 2, 8), (128, 1, 8)]
+#: (BLOCK_E, ROWS, num_warps) candidates, in the order `_candidates` takes them after its
+#: default (always one of them).
+_CANDIDATES = [(16, 1, 4), (32, 1, 4), (16, 4, 4), (64, 1, 4), (32, 2, 8)]
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
 #: ``GACT_GRAPH_GAT_TUNE=0``: never time candidates, take the default blocking (each timed
 #: candidate is one more compilation in a process's first steps).
