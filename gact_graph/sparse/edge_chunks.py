@@ -42,6 +42,7 @@ __all__ = [
     "csr_destinations",
     "edge_chunk_size",
     "item_bytes",
+    "lean_chunk_size",
     "leaky_relu_backward_",
     "leaky_relu_slope",
     "segment_stats",
@@ -252,12 +253,20 @@ def chunking(
     next to the N x H x C tensors the probe holds; more and smaller kernels on small graphs."""
     heads, channels = x.shape[1:]
     if lean:
-        item = torch.finfo(acc_dtype(x.dtype)).bits // 8
-        quarter = x.shape[0] * heads * channels * item // 4
-        chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, min(chunk_bytes, quarter))
-        return chunk, EdgeChunks(rowptr, col, chunk * channels)
-    chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, chunk_bytes, x.shape[0])
+        chunk = lean_chunk_size(col.numel(), x.shape[0], heads, channels, x.dtype, chunk_bytes)
+    else:
+        chunk = edge_chunk_size(col.numel(), heads, channels, x.dtype, chunk_bytes, x.shape[0])
     return chunk, EdgeChunks(rowptr, col, chunk * channels)
+
+
+def lean_chunk_size(
+    num_edges: int, num_src: int, heads: int, channels: int, dtype: torch.dtype, chunk_bytes: int
+) -> int:
+    """`chunking`'s gather chunk under ``lean``: `edge_chunk_size` with the gathers capped at
+    a quarter of one N_src x H x C tensor in the accumulator's dtype, no floor (also what the
+    Functions' stated lean bounds count)."""
+    quarter = num_src * heads * channels * (torch.finfo(acc_dtype(dtype)).bits // 8) // 4
+    return edge_chunk_size(num_edges, heads, channels, dtype, min(chunk_bytes, quarter))
 
 
 def segment_stats(scores, chunks: EdgeChunks, num_dst: int, heads: int, acc, device):

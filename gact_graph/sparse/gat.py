@@ -69,9 +69,9 @@ from gact_graph.sparse.edge_chunks import (
     check_edge_stage,
     chunking,
     csr_destinations,
-    edge_chunk_size,
     item_bytes,
     leaky_relu_backward_,
+    lean_chunk_size,
     segment_stats,
 )
 from gact_graph.switches import is_lean, package_work, reading_rows
@@ -165,9 +165,7 @@ def lean_gat_backward_bytes(
     xi, si = item_bytes(x_dtype), item_bytes(src_dtype)
     di = 0 if dst_dtype is None else item_bytes(dst_dtype)
     need_logits = need_src or need_dst
-    # `chunking` under `lean_backward`: the gathers capped at a quarter of x_src, no floor
-    quarter = num_src * heads * channels * (torch.finfo(acc_dtype(x_dtype)).bits // 8) // 4
-    chunk = edge_chunk_size(num_edges, heads, channels, x_dtype, min(chunk_bytes, quarter))
+    chunk = lean_chunk_size(num_edges, num_src, heads, channels, x_dtype, chunk_bytes)
     wide = max(1, chunk * channels)
     w = min(wide, num_edges)
     c = min(chunk, w)

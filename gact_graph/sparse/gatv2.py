@@ -42,9 +42,9 @@ from gact_graph.sparse.edge_chunks import (
     check_edge_stage,
     chunking,
     csr_destinations,
-    edge_chunk_size,
     item_bytes,
     leaky_relu_slope,
+    lean_chunk_size,
     segment_stats,
 )
 from gact_graph.switches import is_lean, package_work, reading_rows
@@ -134,9 +134,7 @@ def _lean_gatv2_backward_bytes(
     a, o = item_bytes(acc), item_bytes(out_dtype)
     li, ri, ti = item_bytes(l_dtype), item_bytes(r_dtype), item_bytes(att_dtype)
     h, hc = heads, heads * channels
-    item = torch.finfo(acc).bits // 8
-    quarter = num_src * hc * item // 4
-    c = edge_chunk_size(num_edges, heads, channels, l_dtype, min(chunk_bytes, quarter))
+    c = lean_chunk_size(num_edges, num_src, heads, channels, l_dtype, chunk_bytes)
     wide = max(1, c * channels)
     w = min(wide, num_edges)
     c = min(c, max(w, 1))
@@ -293,10 +291,7 @@ class GatV2AttentionFunction(torch.autograd.Function):
         parts = layouts if walk or len(layouts) == 2 else []  # those read in parts
         if len(layouts) > 2 or not all(map(codes_readable, parts)):
             return None
-        acc = acc_dtype(l_dtype)
-        quarter = num_src * heads * channels * (torch.finfo(acc).bits // 8) // 4
-        chunk = edge_chunk_size(num_edges, heads, channels, l_dtype,
-                                min(ctx.chunk_bytes, quarter))  # fmt: skip
+        chunk = lean_chunk_size(num_edges, num_src, heads, channels, l_dtype, ctx.chunk_bytes)
 
         def roles(lay) -> list:  # what reading ``lay`` in parts can be
             out = []
