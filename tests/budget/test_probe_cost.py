@@ -157,6 +157,36 @@ def _csr(n, e, seed):
     return rowptr, src[order]
 
 
+def _lean_node_rise(forward, pack, copies, layouts, walk):
+    """Run ``forward()`` under saved-tensor hooks ``pack`` (which fills ``copies``, id of a
+    packed tensor -> the dense copy handed back for it, and ``layouts``) and an unpack that
+    hands back that copy, or a `RowChunked` of any other packed one; then apply its output's
+    node under `lean_backward`, as the probe does. ``(rise, stated, node, grads)``: the live
+    bytes' rise over the node's backward (counted from before the forward, as in a step) and
+    the node's stated bound for ``layouts`` (``walk``)."""
+    import torch
+
+    from gact_graph.budget.profile import LiveBytes
+    from gact_graph.core.chunked import RowChunked
+    from gact_graph.switches import lean_backward
+
+    def unpack(p):
+        if isinstance(p, torch.Tensor):
+            return p
+        return copies[id(p)] if id(p) in copies else RowChunked(p)
+
+    with LiveBytes() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = forward()
+        node, grad_out = out.grad_fn, torch.randn_like(out)
+        stated = node._forward_cls.lean_backward_bytes(node, layouts, walk=walk)
+        start = live.mark()
+        with lean_backward(), torch.no_grad():
+            grads = node.apply(grad_out)
+        rise = live.since_mark() - start
+    return rise, stated, node, grads
+
+
 def _gat_counted(x, a_src, a_dst, csr, dropout, chunk_bytes, walk_bits):
     """GAT's attention node as the probe runs it: applied under `lean_backward`, ``x_src``
     (saved as its (N * H) x C view) quantized at 2 bits and handed back as a dense copy made
@@ -166,11 +196,8 @@ def _gat_counted(x, a_src, a_dst, csr, dropout, chunk_bytes, walk_bits):
     layout (``walk`` with ``walk_bits``)."""
     import torch
 
-    from gact_graph.budget.profile import LiveBytes
-    from gact_graph.core.chunked import RowChunked
     from gact_graph.core.quantize import quantize
     from gact_graph.sparse import gat as sgat
-    from gact_graph.switches import lean_backward
 
     n, heads, channels = x.shape
     copies, layouts = {}, []
@@ -184,25 +211,14 @@ def _gat_counted(x, a_src, a_dst, csr, dropout, chunk_bytes, walk_bits):
         layouts.append(q.layout)
         return q
 
-    def unpack(p):
-        if isinstance(p, torch.Tensor):
-            return p
-        return copies[id(p)] if id(p) in copies else RowChunked(p)
-
     rowptr, col = csr
-    with LiveBytes() as live:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = sgat.gat_attention(x, a_src, a_dst, rowptr, col, 0.2, dropout,
-                                     torch.randperm(col.numel()), chunk_bytes)  # fmt: skip
-        assert len(layouts) == 1, layouts
-        node, grad_out = out.grad_fn, torch.randn_like(out)
-        stated = node._forward_cls.lean_backward_bytes(node, layouts, walk=walk_bits is not None)
-        start = live.mark()
-        with lean_backward(), torch.no_grad():
-            grads = node.apply(grad_out)
-        rise = live.since_mark() - start
+    rise, stated, node, grads = _lean_node_rise(
+        lambda: sgat.gat_attention(x, a_src, a_dst, rowptr, col, 0.2, dropout,
+                                   torch.randperm(col.numel()), chunk_bytes),
+        pack, copies, layouts, walk=walk_bits is not None,
+    )  # fmt: skip
+    assert len(layouts) == 1, layouts
     assert grads[0] is not None or not x.requires_grad
-    del grads
     return rise, stated, node, layouts[0]
 
 
@@ -334,11 +350,8 @@ def _gatv2_replayed(x_l, x_r, att, csr, dropout, chunk_bytes, replayed, other_bi
     for the compressed inputs' layouts (``walk`` where ``replayed`` is None)."""
     import torch
 
-    from gact_graph.budget.profile import LiveBytes
-    from gact_graph.core.chunked import RowChunked
     from gact_graph.core.quantize import quantize
     from gact_graph.sparse import gatv2 as sgatv2
-    from gact_graph.switches import lean_backward
 
     mine = {"x_l": x_l, "x_r": x_r}.get(replayed)
     mine = None if mine is None else mine.untyped_storage().data_ptr()
@@ -357,23 +370,12 @@ def _gatv2_replayed(x_l, x_r, att, csr, dropout, chunk_bytes, replayed, other_bi
         layouts.append(q.layout)
         return q
 
-    def unpack(p):
-        if isinstance(p, torch.Tensor):
-            return p
-        return copies[id(p)] if id(p) in copies else RowChunked(p)
-
     rowptr, col = csr
-    with LiveBytes() as live:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout,
-                                       torch.randperm(col.numel()), chunk_bytes)  # fmt: skip
-        node, grad_out = out.grad_fn, torch.randn_like(out)
-        stated = node._forward_cls.lean_backward_bytes(node, layouts, walk=replayed is None)
-        start = live.mark()
-        with lean_backward(), torch.no_grad():
-            grads = node.apply(grad_out)
-        rise = live.since_mark() - start
-    del grads
+    rise, stated, node, _ = _lean_node_rise(
+        lambda: sgatv2.gatv2_attention(x_l, x_r, att, rowptr, col, 0.2, dropout,
+                                       torch.randperm(col.numel()), chunk_bytes),
+        pack, copies, layouts, walk=replayed is None,
+    )  # fmt: skip
     return rise, stated, node, layouts
 
 
