@@ -16,8 +16,9 @@ Compiling costs about a second a launch, so the cases are the combinations that 
 code, not the whole product; `test_cases_cover_every_tile_shape_and_switch` checks that they
 still reach every tile shape the tuner's candidates give and every switch of the kernels, so a
 new candidate or branch in the launcher fails there until a case covers it. sm_80 (A100) gets
-a few cases only (the device machines are H100 / H200): two of the quantizer's, and the small
-kernels, whose conversions of each dtype and 64-bit atomics depend on the architecture.
+a few cases only (the device machines are H100 / H200): two of the quantizer's, the small
+kernels, whose conversions of each dtype and 64-bit atomics depend on the architecture, and
+each edge kernel with 16-bit features at its widest blocking.
 """
 
 from __future__ import annotations
@@ -386,6 +387,30 @@ def record_gat(name, blocking, channels, form, variant) -> list:
 @pytest.mark.parametrize("name, blocking, channels, form, variant", GAT_CASES)
 def test_gat_edge_blockings_compile_for_hopper(name, blocking, channels, form, variant):
     compile_all(record_gat(name, blocking, channels, form, variant), HOPPER)
+
+
+def _gat_ampere_cases() -> list:
+    """Each edge kernel for sm_80 (A100) with 16-bit features, where that architecture's
+    conversions differ from sm_90's: dense bf16, and 2-bit codes of fp16 features where the
+    kernel reads codes (dense fp16 otherwise), everything switched on, 256 channels, and the
+    widest edge block the tuner can pick (the largest tile of features a program holds)."""
+    if not HAS_TRITON or INTERPRETED:
+        return []
+    from gact_graph.kernels import gat_edge as ge
+
+    widest = max({c for i in range(11) for c in ge._candidates(1 << i)})  # most edges a block
+    cases = []
+    for name in GAT_KERNELS:
+        reads_codes = any(p.name.endswith("_BITS") for p in getattr(ge, name).params)
+        for form in ("bf16", "fp16-codes" if reads_codes else "fp16"):
+            case_id = f"{name}-{form}-256-{widest}"
+            cases.append(pytest.param(name, widest, 256, form, 0, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize("name, blocking, channels, form, variant", _gat_ampere_cases())
+def test_gat_edge_compiles_for_ampere(name, blocking, channels, form, variant):
+    compile_all(record_gat(name, blocking, channels, form, variant), AMPERE)
 
 
 def test_gat_cases_cover_every_switch():
