@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP
+from gact_graph.switches import is_scratch
 
 __all__ = [
     "EluFunction",
@@ -282,7 +283,11 @@ def _branch(x: Tensor, name: str) -> Tensor:
 # autograd Functions
 # --------------------------------------------------------------------------------------------
 class EluFunction(torch.autograd.Function):
-    """ELU saving its output and the 1-bit indicator ``x > 0``."""
+    """ELU saving its output and the 1-bit indicator ``x > 0``.
+
+    In the sensitivity probe's replay (`lean_backward`) the saved output arrives as the
+    probe's own noisy copy, which the backward may overwrite (`scratch`): the gradient is
+    written into it, so that the replay makes no tensor of its own (`lean_backward_bytes`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool) -> Tensor:
@@ -294,20 +299,48 @@ class EluFunction(torch.autograd.Function):
             y = torch._C._nn.elu(x, alpha)
         ctx.alpha = alpha
         ctx.save_for_backward(y, pos)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked)
+        ctx.shapes = (y.numel(), y.dtype)
         return y
+
+    @staticmethod
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its output included; its saved tensors, ``grad`` and the unpacking of the
+        saved indicator not: `gact_graph.budget.probe_cost` counts a packed mask's unpacking
+        itself), in the sensitivity probe's replay of the saved output, ``layouts`` the group
+        layouts of the compressed tensors the node read: the replay hands the output as its
+        own noisy copy, which the backward writes into where ``grad`` has its dtype (`scratch`:
+        nothing made); in half precision the float32 product and its cast. None in the probe's
+        walk (``walk``: the output is dequantized whole inside the node) and for any other
+        reads than the one output."""
+        if walk or len(list(layouts)) != 1:
+            return None
+        numel, dtype = ctx.shapes
+        if dtype in (torch.float16, torch.bfloat16):
+            # the float32 (y + alpha) * grad beside its cast; then the cast beside the
+            # selection's result, less
+            return numel * (4 + torch.finfo(dtype).bits // 8)
+        return 0
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         y, pos = ctx.saved_tensors
         if grad.dtype in (torch.float16, torch.bfloat16):
-            neg = (grad.float() * (y.float() + ctx.alpha)).to(grad.dtype)
+            # (y + alpha) * grad in float32, in one new tensor (``grad`` is widened exactly
+            # inside the in-place product), then cast
+            neg = y.to(torch.float32, copy=True).add_(ctx.alpha).mul_(grad).to(grad.dtype)
             return torch.where(pos, grad, neg), None, None
         # grad * (y + alpha) where x <= 0, grad elsewhere, in one new tensor rather than three:
         # the sensitivity probe runs this backward on top of the user's, so temporaries add up
-        # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad)
-        out = torch.add(y, ctx.alpha).mul_(grad)
+        # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad); in
+        # the probe's replay, in its own copy of ``y`` (`scratch`), none
         if torch.is_grad_enabled():  # create_graph: no out= under autograd
-            return torch.where(pos, grad, out), None, None
+            return torch.where(pos, grad, torch.add(y, ctx.alpha).mul_(grad)), None, None
+        if is_scratch(y) and y.dtype == grad.dtype and y.shape == grad.shape:
+            out = y.add_(ctx.alpha).mul_(grad)
+        else:
+            out = torch.add(y, ctx.alpha).mul_(grad)
         return torch.where(pos, grad, out, out=out), None, None
 
 
