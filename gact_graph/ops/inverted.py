@@ -259,6 +259,7 @@ def inverse_derivative(y: Tensor, right: Tensor, name: str) -> Tensor:
     s = (y - tb.y_min_hi).sub_(tb.y_min_lo).clamp_(min=0.0).sqrt_()
     s = s.mul_(right.to(torch.float32).mul_(2.0).sub_(1.0))  # + right of x*, - left
     d = _lookup(tb.near, s.sub_(tb.s_lo).mul_(tb.near_inv_h))
+    del s  # the lookup's scratch: released before the far branch's temporaries
     # Far left branch (y_switch < y < 0): f' = y * ratio(log(-y)).
     tail = (y > tb.y_switch).logical_and_(right.logical_not())
     if y.is_cuda:  # dense: no host sync
@@ -344,6 +345,14 @@ class EluFunction(torch.autograd.Function):
         return torch.where(pos, grad, out, out=out), None, None
 
 
+#: bytes per element `inverse_derivative` holds at once at most (CPU, float32 ``y``): the
+#: derivative, the far branch's mask and, where every element lies on the far branch, its
+#: indices (int64), the gathered outputs, their logarithms and the table lookup's index,
+#: value and slope (4 bytes each); before that the lookup of the near table held the square
+#: root, the index, the value and the slope (16). The CUDA path (dense) holds no more.
+INVERSE_DERIVATIVE_BYTES = 4 + 1 + 8 + 4 * 5
+
+
 class InvertedFunction(torch.autograd.Function):
     """GELU / SiLU saving the output and the 1-bit branch indicator ``x >= x*``."""
 
@@ -360,7 +369,27 @@ class InvertedFunction(torch.autograd.Function):
             y = F.gelu(x, approximate=approximate)
         ctx.name = name
         ctx.save_for_backward(y, right)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked)
+        ctx.shapes = (y.numel(), y.dtype)
         return y
+
+    @staticmethod
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its output included; its saved tensors, ``grad`` and the unpacking of the
+        saved indicator not: `gact_graph.budget.probe_cost` counts a packed mask's unpacking
+        itself), in the sensitivity probe's replay of the saved output (handed as the
+        replay's dense copy), ``layouts`` the group layouts of the compressed tensors the node
+        read: `inverse_derivative`'s tensors with every element on the far branch
+        (`INVERSE_DERIVATIVE_BYTES`), a float32 copy of a half-precision output beside them;
+        then the derivative beside the gradient's cast. None in the probe's walk (``walk``:
+        the output is dequantized whole inside the node) and for any other reads than the
+        one output."""
+        if walk or len(list(layouts)) != 1:
+            return None
+        numel, dtype = ctx.shapes
+        widened = 0 if dtype == torch.float32 else 4  # ``y.float()``
+        return numel * (INVERSE_DERIVATIVE_BYTES + widened)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -372,8 +401,10 @@ class InvertedFunction(torch.autograd.Function):
                 "lookup, which is differentiable once; " + DOUBLE_BACKWARD_HELP
             )
         y, right = ctx.saved_tensors
+        # grad * f', into the derivative (its own tensor; ``grad`` is widened exactly inside
+        # the product), then cast: one tensor fewer than a product beside the derivative
         d = inverse_derivative(y, right, ctx.name)
-        return (grad.float() * d).to(grad.dtype), None, None, None
+        return d.mul_(grad).to(grad.dtype), None, None, None
 
 
 # --------------------------------------------------------------------------------------------

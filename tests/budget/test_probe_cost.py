@@ -157,14 +157,15 @@ def _csr(n, e, seed):
     return rowptr, src[order]
 
 
-def _lean_node_rise(forward, pack, copies, layouts, walk, own=False):
+def _lean_node_rise(forward, pack, copies, layouts, walk, own=False, exclude=()):
     """Run ``forward()`` under saved-tensor hooks ``pack`` (which fills ``copies``, id of a
     packed tensor -> the dense copy handed back for it, and ``layouts``) and an unpack that
     hands back that copy, a packed mask unpacked, or a `RowChunked` of any other packed one;
     then apply its output's node under `lean_backward`, as the probe does (with ``own``, the
     copies as the replay's own, which the backward may write into: `scratch`).
     ``(rise, stated, node, grads, grad_out)``: the live bytes' rise over the node's backward
-    (counted from before the forward, as in a step) and the node's stated bound for
+    (counted from before the forward, as in a step; ``exclude``: tensors made before it that
+    a view in the backward would otherwise count) and the node's stated bound for
     ``layouts`` (``walk``)."""
     import contextlib
 
@@ -182,7 +183,7 @@ def _lean_node_rise(forward, pack, copies, layouts, walk, own=False):
             return p.unpack()
         return copies[id(p)] if id(p) in copies else RowChunked(p)
 
-    with LiveBytes() as live:
+    with LiveBytes(exclude=exclude) as live:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward()
         node, grad_out = out.grad_fn, torch.randn_like(out)
@@ -671,3 +672,59 @@ def test_mask_unpack_bytes_covers_the_unpacking():
             rise = live.since_mark() - start
         assert mask.shape == (n,)
         assert rise <= mask_unpack_bytes(n) <= rise + 12 + 256 * 8 * 9, (n, rise)
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("far", [False, True])
+@pytest.mark.parametrize("shape", [(600, 96), (7, 129, 33)])
+def test_gelu_silu_lean_backward_stays_within_its_stated_bound(name, dtype, far, shape):
+    """`InvertedFunction.lean_backward_bytes` (GELU, GELU-tanh, SiLU): the backward the
+    probe's replay runs (the node applied under `lean_backward`, its saved output quantized
+    at 2 bits and handed back as the replay's own dense copy, its indicator packed at 1 bit
+    and unpacked) never holds more, counted, than the node states plus its indicator's
+    unpacking; where every input lies far out on the left branch (``far``: the most the
+    derivative's lookup holds) that sum is within 2x of what it held. Its gradient is
+    ``grad * f'(f^-1(y))`` from the copy, bit for bit. In the walk and for other reads
+    than the one output it states none."""
+    import torch
+
+    from gact_graph.budget.probe_cost import mask_unpack_bytes
+    from gact_graph.core.quantize import pack_bool_mask, quantize
+    from gact_graph.ops import inverted
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    x = -8 - 20 * torch.rand(shape) if far else torch.randn(shape) * 3
+    x = x.to(dt).requires_grad_()
+    copies, layouts, clean, masks = {}, [], [], []
+
+    def pack(t):
+        if t.dtype == torch.bool:
+            masks.append(t.clone())
+            return pack_bool_mask(t)
+        q = quantize(t.detach(), 2, seed=3)
+        copies[id(q)] = q.dequantize()  # made before the replay, as its copy
+        clean.append(copies[id(q)].clone())
+        layouts.append(q.layout if t.dim() == 2 else None)
+        return q
+
+    def forward():
+        if name == "silu":
+            return inverted.silu(x)
+        return inverted.gelu(x, "tanh" if name == "gelu_tanh" else "none")
+
+    # the lookup tables: made at the process's first forward through them, kept since
+    tables = inverted._tables(name, torch.device("cpu"))
+    rise, stated, node, grads, grad_out = _lean_node_rise(
+        forward, pack, copies, layouts, walk=False, own=True, exclude=[tables.near, tables.tail]
+    )
+    counted = stated + mask_unpack_bytes(x.numel())
+    assert rise <= counted, (rise, stated, counted)
+    if far:  # within 2x, beside the mask's look-up table, which this process made before
+        assert counted <= 2 * rise + 256 * 8 * 9, (rise, stated, counted)
+    d = inverted.inverse_derivative(clean[0], masks[0], name)
+    assert torch.equal(grads[0], (grad_out.float() * d).to(dt))
+    stating = node._forward_cls.lean_backward_bytes
+    assert stating(node, layouts, walk=True) is None
+    assert stating(node, layouts * 2) is None and stating(node, []) is None
