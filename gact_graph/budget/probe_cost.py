@@ -21,8 +21,10 @@ The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step hol
   backward (under `lean_backward`): the node's rise in the profile step, or, where its
   Function states a bound of that lean backward from its shapes and the layouts of the
   compressed tensors the node read (``lean_backward_bytes``, e.g.
-  `gact_graph.sparse.gat.GatAttentionFunction` and `GatV2AttentionFunction`) and the bound
-  is less, the bound;
+  `gact_graph.sparse.gat.GatAttentionFunction`, `GatV2AttentionFunction`, the inverted
+  activations of `gact_graph.ops.inverted`) and the bound is less, the bound, plus the
+  unpacking of the packed masks the node read (`mask_unpack_bytes`: ELU's branch
+  indicator), which the replay unpacks inside the node;
 - **the walk** that carries a replay's differences to the parameters, later in the backward:
   the differences (one gradient the size of the largest read) and the accumulators, on top of
   what a later node's backward holds while it runs (the walk runs a node's backward again,
