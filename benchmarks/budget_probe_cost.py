@@ -18,6 +18,7 @@ the live bytes rose during it (`LiveBytes` around the step): where the bound's s
 Usage::
 
     python benchmarks/budget_probe_cost.py gcn:3000 gat:3000 gcnii:600 gatv2:2000
+    python benchmarks/budget_probe_cost.py sage_elu:3000 sage_gelu:3000 sage_silu:3000
     python benchmarks/budget_probe_cost.py --replays gat:3000 gatv2:2000
 """
 
@@ -50,10 +51,11 @@ def graph(n: int, deg: int = 6, feat: int = 16, seed: int = 0):
 def make(name: str):
     torch.manual_seed(0)
     kw = {"hidden_channels": 64, "num_layers": 3, "dropout": 0.0}
-    if name == "sage":  # PyG's own model
+    if name == "sage" or name.startswith("sage_"):  # PyG's own model; sage_gelu: its act
         from torch_geometric.nn.models import GraphSAGE
 
-        return GraphSAGE(16, 64, 3, 4)
+        act = name.partition("_")[2] or "relu"
+        return GraphSAGE(16, 64, 3, 4, act=act)
     if name == "gcn_bn":
         return build_model("gcn", 16, 4, batch_norm=True, **kw)
     if name == "gat":
