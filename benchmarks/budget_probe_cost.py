@@ -10,13 +10,15 @@ graph (``memory_budget="4GiB"``). CPU only (the bound from the profile step's co
 With ``--replays``: per model, the profile step's records of the nodes that read a compressed
 tensor in backward (`BackwardReads`: MiB live at the first read, the rise after it and the
 node's own part of it, the bounds its Function states of its lean backward in a replay and in
-the walk where it states them, the reads a replay dequantizes)
-and, in the probed step, what was live when each replay began and how
-far the live bytes rose during it (`LiveBytes` around the step): where the bound's slack lies.
+the walk where it states them, the reads a replay dequantizes; then the bound's terms over
+the profile step's peak at the node's read and in the walk from it, `probe_terms`: which one
+sets the bound) and, in the probed step, what was live when each replay began and how far
+the live bytes rose during it (`LiveBytes` around the step): where the bound's slack lies.
 
 Usage::
 
     python benchmarks/budget_probe_cost.py gcn:3000 gat:3000 gcnii:600 gatv2:2000
+    python benchmarks/budget_probe_cost.py sage_elu:3000 sage_gelu:3000 sage_silu:3000
     python benchmarks/budget_probe_cost.py --replays gat:3000 gatv2:2000
 """
 
@@ -49,10 +51,11 @@ def graph(n: int, deg: int = 6, feat: int = 16, seed: int = 0):
 def make(name: str):
     torch.manual_seed(0)
     kw = {"hidden_channels": 64, "num_layers": 3, "dropout": 0.0}
-    if name == "sage":  # PyG's own model
+    if name == "sage" or name.startswith("sage_"):  # PyG's own model; sage_gelu: its act
         from torch_geometric.nn.models import GraphSAGE
 
-        return GraphSAGE(16, 64, 3, 4)
+        act = name.partition("_")[2] or "relu"
+        return GraphSAGE(16, 64, 3, 4, act=act)
     if name == "gcn_bn":
         return build_model("gcn", 16, 4, batch_norm=True, **kw)
     if name == "gat":
@@ -103,15 +106,20 @@ def bounds(name: str, n: int) -> tuple[int, int]:
     return need, planner.PROBE_ACTIVATIONS * largest + params
 
 
-def profile_records(name: str, n: int) -> tuple[int, list]:
-    """The profile step's peak and its `BackwardReads` node records (``memory_budget``)."""
+def profile_records(name: str, n: int) -> tuple[int, list, tuple]:
+    """The profile step's peak, its `BackwardReads` node records (``memory_budget``) and
+    `probe_terms` of them (the forward's term, per node its read's and its walk's)."""
+    from gact_graph.budget.probe_cost import probe_terms
+
     model, g = make(name), graph(n)
     ctl = compress_gnn(model, bits=2, memory_budget="4GiB")
     planner = ctl.budget
     _step(model, ctl, g, torch.optim.Adam(model.parameters(), 1e-3), {})
     peak, nodes = planner._reads_peak, list(planner._reads.nodes)
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    terms = probe_terms(planner._reads, step_peak=peak, param_bytes=params)
     ctl.remove()
-    return peak, nodes
+    return peak, nodes, terms
 
 
 def replay_rises(name: str, n: int) -> list[tuple[str, int, int]]:
@@ -159,18 +167,20 @@ def replays(specs: list[str]) -> None:
     warnings.simplefilter("ignore")
     for spec in specs:
         name, n = spec.split(":")
-        peak, nodes = profile_records(name, int(n))
+        peak, nodes, (forward, terms) = profile_records(name, int(n))
         print(f"{name} {n}: profile step peak {peak / MiB:.3f} MiB (1 bit); nodes reading "
-              "a compressed tensor in backward, MiB:")  # fmt: skip
-        for rec in nodes:
+              "a compressed tensor in backward, MiB; then the bound's terms over the peak "
+              "(probe_terms: at the node's read, in the walk from it):")  # fmt: skip
+
+        def mib(v):
+            return "-" if v is None else f"{v / MiB:.3f}"
+
+        for rec, (read, walk) in zip(nodes, terms):
             reads = ", ".join(f"{r / MiB:.3f}" for r in rec.replayed) or "-"
-
-            def mib(v):
-                return "-" if v is None else f"{v / MiB:.3f}"
-
             print(f"  live {rec.live / MiB:7.3f}  rise {rec.rise / MiB:7.3f} (own {mib(rec.own)})"
                   f"  stated lean {mib(rec.lean)}, in the walk {mib(rec.walk)}"
-                  f"  replays {reads}")  # fmt: skip
+                  f"  replays {reads}  | terms {mib(read)}, {mib(walk)}")  # fmt: skip
+        print(f"  the forward's term (work at a pack) {mib(forward)}")
         print("  probed step (2 bits), per replay: live when it began, rise during it, MiB:")
         for node, start, rise in replay_rises(name, int(n)):
             print(f"  {node:32s} {start / MiB:7.3f} {rise / MiB:7.3f}", flush=True)

@@ -96,19 +96,37 @@ def lean_backward():
 
 
 def is_scratch(t) -> bool:
-    """Whether ``t`` may be overwritten by a lean backward (see `scratch`)."""
-    return is_lean() and id(t) in getattr(_SCRATCH, "ids", ())
+    """Whether ``t`` may be overwritten by a lean backward (see `scratch`): one of those
+    tensors, or another tensor on one of their storages (a Function's saved *output* comes
+    back from ``ctx.saved_tensors`` as a new tensor on the unpacked tensor's storage)."""
+    if not is_lean():
+        return False
+    if id(t) in getattr(_SCRATCH, "ids", ()):
+        return True
+    storages = getattr(_SCRATCH, "storages", ())
+    return bool(storages) and _storage_of(t) in storages
+
+
+def _storage_of(t) -> int:
+    """The address of ``t``'s storage; 0 where it has none to write into (a wrapper subclass,
+    an empty storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+        return 0
 
 
 @contextlib.contextmanager
 def scratch(*tensors):
-    """Inside (and inside `lean_backward`), a backward may write into ``tensors``."""
-    prev = getattr(_SCRATCH, "ids", ())
+    """Inside (and inside `lean_backward`), a backward may write into ``tensors`` (their
+    storages)."""
+    prev, prev_storages = getattr(_SCRATCH, "ids", ()), getattr(_SCRATCH, "storages", ())
     _SCRATCH.ids = prev + tuple(id(t) for t in tensors)
+    _SCRATCH.storages = prev_storages + tuple(ptr for ptr in map(_storage_of, tensors) if ptr)
     try:
         yield
     finally:
-        _SCRATCH.ids = prev
+        _SCRATCH.ids, _SCRATCH.storages = prev, prev_storages
 
 
 def is_once_per_graph() -> bool:

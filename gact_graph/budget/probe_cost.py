@@ -21,8 +21,10 @@ The probe (`gact_graph.policy.sensitivity`) holds, beyond what the same step hol
   backward (under `lean_backward`): the node's rise in the profile step, or, where its
   Function states a bound of that lean backward from its shapes and the layouts of the
   compressed tensors the node read (``lean_backward_bytes``, e.g.
-  `gact_graph.sparse.gat.GatAttentionFunction` and `GatV2AttentionFunction`) and the bound
-  is less, the bound;
+  `gact_graph.sparse.gat.GatAttentionFunction`, `GatV2AttentionFunction`, the inverted
+  activations of `gact_graph.ops.inverted`) and the bound is less, the bound, plus the
+  unpacking of the packed masks the node read (`mask_unpack_bytes`: ELU's branch
+  indicator), which the replay unpacks inside the node;
 - **the walk** that carries a replay's differences to the parameters, later in the backward:
   the differences (one gradient the size of the largest read) and the accumulators, on top of
   what a later node's backward holds while it runs (the walk runs a node's backward again,
@@ -46,11 +48,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gact_graph.core.quantize import QTensor
+from gact_graph.core.quantize import PackedMask, QTensor
 from gact_graph.policy.probe_estimates import matmul_kind
 from gact_graph.policy.rounding import CHUNK_ELEMS, MAX_CHUNKS, chunk_elems
 
-__all__ = ["BackwardReads", "NodeReads", "forward_work", "probe_need", "SAMPLES", "SAMPLE_BYTES"]
+__all__ = [
+    "BackwardReads",
+    "NodeReads",
+    "forward_work",
+    "mask_unpack_bytes",
+    "probe_need",
+    "probe_terms",
+    "SAMPLES",
+    "SAMPLE_BYTES",
+]
 
 #: elements `rounding_variance_factors` samples per tensor (its default)
 SAMPLES = 16384
@@ -125,6 +136,9 @@ class BackwardReads:
         #: nodes that read a stored tensor whose unpack allocates besides their compressed
         #: reads: a replay of theirs does that inside the node, so no stated bound is used
         self._unpacking: set[int] = set()
+        #: per node, what unpacking the packed masks it read makes (`mask_unpack_bytes`): a
+        #: replay unpacks them inside the node, on top of what its Function states
+        self._masks: dict[int, int] = {}
         #: the forward's packs: the most bytes live after a compressed tensor's pack plus
         #: what the probe's work on it holds then (`forward_work`)
         self.forward = 0
@@ -142,12 +156,18 @@ class BackwardReads:
         if node is None:
             return
         if what != "activation" or not isinstance(payload, QTensor):
-            if not isinstance(payload, torch.Tensor):  # its unpack makes a tensor (a swap)
+            if isinstance(payload, PackedMask):  # e.g. ELU's indicator: a known unpack
+                self._masks[id(node)] = self._masks.get(id(node), 0) + mask_unpack_bytes(
+                    payload.numel()
+                )
+            elif not isinstance(payload, torch.Tensor):  # its unpack makes a tensor (a swap)
                 self._unpacking.add(id(node))
             return
         live = self._live
         if node is not self._node:
             self.close()
+            # only this node's masks can still be read with its compressed reads
+            self._masks = {id(node): self._masks.get(id(node), 0)}
             self._node = node
             self.nodes.append(NodeReads(live.bytes))
             live.mark()
@@ -198,12 +218,26 @@ class BackwardReads:
                 rec.tail = after
                 rec.rise = max(rec.own, after)
             if id(self._node) not in self._unpacking:
-                rec.lean = _stated_lean_bytes(self._node, rec.layouts)
-                rec.walk = _stated_lean_bytes(self._node, rec.layouts, walk=True)
+                masks = self._masks.get(id(self._node), 0)
+                rec.lean = _plus(_stated_lean_bytes(self._node, rec.layouts), masks)
+                rec.walk = _plus(_stated_lean_bytes(self._node, rec.layouts, walk=True), masks)
         if self._ends is not None:
             self._ends.remove()
             self._ends = None
         self._node = None
+
+
+def mask_unpack_bytes(numel: int) -> int:
+    """What unpacking a mask of ``numel`` elements packed at 1 bit makes at most
+    (`gact_graph.kernels.bitpack.PackedMask.unpack`): the packed bytes widened to int32 for
+    the table look-up beside the looked-up bytes (eight a packed byte), of which the mask is
+    a view, and the look-up table's making (two int32 256 x 8 tables and the uint8 one kept;
+    at the first unpack, then cached)."""
+    return 12 * -(-numel // 8) + 256 * 8 * 9
+
+
+def _plus(stated: int | None, extra: int) -> int | None:
+    return None if stated is None else stated + extra
 
 
 def _stated_lean_bytes(node, layouts: list, walk: bool = False) -> int | None:
@@ -275,12 +309,13 @@ def forward_work(numel: int) -> int:
     return max(sampled, chunk)
 
 
-def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: int) -> int:
-    """The probe's bound over the profile step's peak ``step_peak`` (see the module
-    docstring): ``kept`` (what it keeps until its estimate) plus the most by which its work
-    at a pack, at a read or in the walk exceeds ``step_peak``."""
+def probe_terms(
+    reads: BackwardReads, *, step_peak: int, param_bytes: int
+) -> tuple[float, list[tuple[float, float | None]]]:
+    """The terms of `probe_need`, each against the profile step's peak ``step_peak``: the
+    forward's (its work at a pack), and per node its work at its read (a replay, or a closed
+    form's) and the walk's from it (None where the node is not replayed)."""
     acc = ACC_COPIES * param_bytes
-    over = reads.forward - step_peak
     nodes = reads.nodes
     # from each node on (the walk runs at a later node's pre-hook, the nodes below again):
     # the most bytes live at a node's first read, and the most a node's backward rose
@@ -288,11 +323,22 @@ def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: 
     for i in range(len(nodes) - 1, -1, -1):
         live_on[i] = max(live_on[i + 1], nodes[i].live)
         rise_on[i] = max(rise_on[i + 1], nodes[i].walk_rise())
+    terms: list[tuple[float, float | None]] = []
     for i, n in enumerate(nodes):
         work = n.closed + (acc if n.partial else 0)
+        walk = None
         if n.replayed:
             work += READ_COPIES * sum(n.replayed) + max(n.replayed) + acc
-            walk = live_on[i] + rise_on[i] + max(n.replayed) + acc
-            over = max(over, walk - step_peak)
-        over = max(over, n.live + n.replay_rise() + work - step_peak)
+            walk = live_on[i] + rise_on[i] + max(n.replayed) + acc - step_peak
+        replay = n.live + n.replay_rise() + work - step_peak
+        terms.append((replay, walk))
+    return reads.forward - step_peak, terms
+
+
+def probe_need(reads: BackwardReads, *, step_peak: int, kept: int, param_bytes: int) -> int:
+    """The probe's bound over the profile step's peak ``step_peak`` (see the module
+    docstring): ``kept`` (what it keeps until its estimate) plus the most by which its work
+    at a pack, at a read or in the walk exceeds ``step_peak`` (`probe_terms`)."""
+    forward, terms = probe_terms(reads, step_peak=step_peak, param_bytes=param_bytes)
+    over = max([forward, *(t for pair in terms for t in pair if t is not None)])
     return int(kept + max(0, over))

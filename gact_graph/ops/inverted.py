@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP
+from gact_graph.switches import is_scratch
 
 __all__ = [
     "EluFunction",
@@ -258,6 +259,7 @@ def inverse_derivative(y: Tensor, right: Tensor, name: str) -> Tensor:
     s = (y - tb.y_min_hi).sub_(tb.y_min_lo).clamp_(min=0.0).sqrt_()
     s = s.mul_(right.to(torch.float32).mul_(2.0).sub_(1.0))  # + right of x*, - left
     d = _lookup(tb.near, s.sub_(tb.s_lo).mul_(tb.near_inv_h))
+    del s  # the lookup's scratch: released before the far branch's temporaries
     # Far left branch (y_switch < y < 0): f' = y * ratio(log(-y)).
     tail = (y > tb.y_switch).logical_and_(right.logical_not())
     if y.is_cuda:  # dense: no host sync
@@ -282,7 +284,11 @@ def _branch(x: Tensor, name: str) -> Tensor:
 # autograd Functions
 # --------------------------------------------------------------------------------------------
 class EluFunction(torch.autograd.Function):
-    """ELU saving its output and the 1-bit indicator ``x > 0``."""
+    """ELU saving its output and the 1-bit indicator ``x > 0``.
+
+    In the sensitivity probe's replay (`lean_backward`) the saved output arrives as the
+    probe's own noisy copy, which the backward may overwrite (`scratch`): the gradient is
+    written into it, so that the replay makes no tensor of its own (`lean_backward_bytes`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool) -> Tensor:
@@ -294,21 +300,57 @@ class EluFunction(torch.autograd.Function):
             y = torch._C._nn.elu(x, alpha)
         ctx.alpha = alpha
         ctx.save_for_backward(y, pos)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked)
+        ctx.shapes = (y.numel(), y.dtype)
         return y
+
+    @staticmethod
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its output included; its saved tensors, ``grad`` and the unpacking of the
+        saved indicator not: `gact_graph.budget.probe_cost` counts a packed mask's unpacking
+        itself), in the sensitivity probe's replay of the saved output, ``layouts`` the group
+        layouts of the compressed tensors the node read: the replay hands the output as its
+        own noisy copy, which the backward writes into where ``grad`` has its dtype (`scratch`:
+        nothing made); in half precision the float32 product and its cast. None in the probe's
+        walk (``walk``: the output is dequantized whole inside the node) and for any other
+        reads than the one output."""
+        if walk or len(list(layouts)) != 1:
+            return None
+        numel, dtype = ctx.shapes
+        if dtype in (torch.float16, torch.bfloat16):
+            # the float32 (y + alpha) * grad beside its cast; then the cast beside the
+            # selection's result, less
+            return numel * (4 + torch.finfo(dtype).bits // 8)
+        return 0
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         y, pos = ctx.saved_tensors
         if grad.dtype in (torch.float16, torch.bfloat16):
-            neg = (grad.float() * (y.float() + ctx.alpha)).to(grad.dtype)
+            # (y + alpha) * grad in float32, in one new tensor (``grad`` is widened exactly
+            # inside the in-place product), then cast
+            neg = y.to(torch.float32, copy=True).add_(ctx.alpha).mul_(grad).to(grad.dtype)
             return torch.where(pos, grad, neg), None, None
         # grad * (y + alpha) where x <= 0, grad elsewhere, in one new tensor rather than three:
         # the sensitivity probe runs this backward on top of the user's, so temporaries add up
-        # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad)
-        out = torch.add(y, ctx.alpha).mul_(grad)
+        # (same rounding as PyTorch's elu_backward: (y + alpha) first, then times grad); in
+        # the probe's replay, in its own copy of ``y`` (`scratch`), none
         if torch.is_grad_enabled():  # create_graph: no out= under autograd
-            return torch.where(pos, grad, out), None, None
+            return torch.where(pos, grad, torch.add(y, ctx.alpha).mul_(grad)), None, None
+        if is_scratch(y) and y.dtype == grad.dtype and y.shape == grad.shape:
+            out = y.add_(ctx.alpha).mul_(grad)
+        else:
+            out = torch.add(y, ctx.alpha).mul_(grad)
         return torch.where(pos, grad, out, out=out), None, None
+
+
+#: bytes per element `inverse_derivative` holds at once at most (CPU, float32 ``y``): the
+#: derivative, the far branch's mask and, where every element lies on the far branch, its
+#: indices (int64), the gathered outputs, their logarithms and the table lookup's index,
+#: value and slope (4 bytes each); before that the lookup of the near table held the square
+#: root, the index, the value and the slope (16). The CUDA path (dense) holds no more.
+INVERSE_DERIVATIVE_BYTES = 4 + 1 + 8 + 4 * 5
 
 
 class InvertedFunction(torch.autograd.Function):
@@ -327,7 +369,27 @@ class InvertedFunction(torch.autograd.Function):
             y = F.gelu(x, approximate=approximate)
         ctx.name = name
         ctx.save_for_backward(y, right)
+        # what `lean_backward_bytes` reads (the saved tensors themselves would be unpacked)
+        ctx.shapes = (y.numel(), y.dtype)
         return y
+
+    @staticmethod
+    def lean_backward_bytes(ctx, layouts=(), walk: bool = False) -> int | None:
+        """An upper bound of the bytes `backward` run under `lean_backward` creates and holds
+        at once (its output included; its saved tensors, ``grad`` and the unpacking of the
+        saved indicator not: `gact_graph.budget.probe_cost` counts a packed mask's unpacking
+        itself), in the sensitivity probe's replay of the saved output (handed as the
+        replay's dense copy), ``layouts`` the group layouts of the compressed tensors the node
+        read: `inverse_derivative`'s tensors with every element on the far branch
+        (`INVERSE_DERIVATIVE_BYTES`), a float32 copy of a half-precision output beside them;
+        then the derivative beside the gradient's cast. None in the probe's walk (``walk``:
+        the output is dequantized whole inside the node) and for any other reads than the
+        one output."""
+        if walk or len(list(layouts)) != 1:
+            return None
+        numel, dtype = ctx.shapes
+        widened = 0 if dtype == torch.float32 else 4  # ``y.float()``
+        return numel * (INVERSE_DERIVATIVE_BYTES + widened)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -339,8 +401,10 @@ class InvertedFunction(torch.autograd.Function):
                 "lookup, which is differentiable once; " + DOUBLE_BACKWARD_HELP
             )
         y, right = ctx.saved_tensors
+        # grad * f', into the derivative (its own tensor; ``grad`` is widened exactly inside
+        # the product), then cast: one tensor fewer than a product beside the derivative
         d = inverse_derivative(y, right, ctx.name)
-        return (grad.float() * d).to(grad.dtype), None, None, None
+        return d.mul_(grad).to(grad.dtype), None, None, None
 
 
 # --------------------------------------------------------------------------------------------

@@ -286,3 +286,53 @@ def test_gat_with_elu_lossless_matches_stock():
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert st["by_kind"]["mask"]["count"] == 2 + 3  # ELU indicators + attention LeakyReLU masks
+
+
+def test_the_probes_elu_replay_writes_into_its_copy_with_the_same_estimates(monkeypatch):
+    """In the sensitivity probe's replay, ELU's backward writes its gradient into the probe's
+    noisy copy of its output (`scratch`, recognised by storage: a saved output comes back
+    from ``ctx.saved_tensors`` as a new tensor): the estimates (GELU's replay after the
+    network too) are those of the backward that makes a new tensor, value for value."""
+    from gact_graph.models import GAT
+    from gact_graph.policy.sensitivity import probe_sensitivity
+
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    x = torch.randn(n, 16, generator=g)
+    ei = torch.randint(0, n, (2, 6 * n), generator=g)
+    y = torch.randint(0, 4, (n,), generator=g)
+
+    class Net(nn.Module):  # GAT (ELU between its layers), then GELU and a linear head
+        def __init__(self):
+            super().__init__()
+            self.gat = GAT(16, 8, 8, num_layers=3, heads=2, dropout=0.0)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x, ei):
+            return self.head(F.gelu(self.gat(x, ei)))
+
+    torch.manual_seed(0)
+    model = Net()
+    ctl = compress_gnn(model, bits=2, adaptive=False, min_numel=256)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, ei), y).backward()
+
+    step()
+    real = I.is_scratch
+    taken = []
+
+    def spy(t):
+        taken.append(real(t))
+        return taken[-1]
+
+    monkeypatch.setattr(I, "is_scratch", spy)
+    got = probe_sensitivity(ctl, step, seed=5)
+    assert any(taken), taken  # ELU's replays wrote into the copy
+    monkeypatch.setattr(I, "is_scratch", lambda t: False)
+    dense = probe_sensitivity(ctl, step, seed=5)
+    assert set(got) == set(dense) and len(got) >= 5, sorted(got)
+    for name in got:
+        assert got[name] == dense[name], name
+    ctl.remove()
