@@ -42,15 +42,20 @@ Without sensitivities no tensor goes below the default width.
 **The probe waits for room.** The allocator's sensitivity probe (its replays and partial
 backwards, the copies it keeps until its estimate) does not run in the profile step, which
 therefore holds what a fixed 1-bit step holds: a budget that fixed 1 bit meets in every step
-is admitted. The first plan is chosen without sensitivities; the probe then runs in one later
-planned step whose plan compresses a tensor and leaves room below the budget for the probe's
-estimate (`BudgetPlanner._probe_estimate`: on CPU a bound from what the profile step held
-where the probe would work, `gact_graph.budget.probe_cost`; elsewhere from shapes), and
-every exact-shape plan is chosen again with the sensitivities it measured. Where the plan in
-force leaves no such room, the probe step runs a tighter plan solved for the budget less the
-estimate, and the plan in force comes back after it; where none exists, no probe runs and
-the plan keeps the default width (or relaxes it, with a warning). The allocator's probes are
-paused otherwise (`BudgetPlanner._pause_probes`).
+is admitted. The first plan is chosen without sensitivities; the probe then runs once, in a
+later step, at its own plan (`BudgetPlanner._probe_plan`): every compressible tensor at the
+default width, the least plan under the accuracy bound and the setting the allocator probes
+its own first estimate at, whose sensitivities the bound's variance cap is measured against.
+It holds no more than the plan in force, and a plan chosen under the bound with
+sensitivities holds about as much, so the probe step is the lightest plan under the bound
+plus the probe. It is armed after a step of a plan that meets the accuracy bound and
+compresses a tensor, where the probe's plan and the probe's estimate fit the budget
+(`BudgetPlanner._probe_estimate`: on CPU a bound from what the profile step held where the
+probe would work, `gact_graph.budget.probe_cost`; elsewhere, or after a recompute profile,
+from shapes); the plan in force comes back after the probe step, and every exact-shape plan
+is chosen again with the sensitivities it measured. A plan below the bound is not probed (it
+has no variance cap, so sensitivities change nothing in it, and the probe's plan holds more
+than it). The allocator's probes are paused otherwise (`BudgetPlanner._pause_probes`).
 
 **Below the accuracy bound.** When no plan meets both the budget and the accuracy bound, the
 bound is relaxed (1 bit allowed for every unit, no variance cap) with a warning; when even that
@@ -114,7 +119,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.budget.errors import NAMED_SLACK, NAMED_SLACK_BYTES, BudgetError
 from gact_graph.budget.measure import forward_lower_bound, profile_figures, segment_tensors
-from gact_graph.budget.planner import Unit, load_solver
+from gact_graph.budget.planner import Unit, least_plan, load_solver
 from gact_graph.budget.probe_cost import BackwardReads, probe_need
 from gact_graph.budget.profile import (
     CodecTimer,
@@ -220,14 +225,14 @@ class BudgetPlanner:
         #: sensitivity probe has run (`_ProfileInputs`)
         self._profile_inputs: dict[tuple, _ProfileInputs] = {}
         #: the adaptive allocator's probe is held back from the profile step (which then
-        #: holds what a fixed 1-bit step holds) and runs in a later planned step whose plan
-        #: leaves room for it (`_arm_probe`); True until it has run (or cannot)
+        #: holds what a fixed 1-bit step holds) and runs in a later step, at its own plan,
+        #: where that leaves room for it (`_arm_probe`); True until it has run (or cannot)
         self._probe_wanted = _defers_probe(ctl.adapter)
         self._probe_step: int | None = None  # the step the probe was armed for
-        #: and the plan that leaves it room, with what was allowed for: (plan, bytes the
-        #: plan holds at the profiled sizes, the probe's estimate there)
+        #: and the plan in force it was armed after, with what was allowed for: (that plan,
+        #: bytes the probe's plan holds at the profiled sizes, the probe's estimate there)
         self._probe_for: tuple[PlanState, int, int] | None = None
-        #: the plan a probe step set aside for a tighter one, with the plan's state
+        #: the plan in force a probe step set aside for the probe's plan, with its fields
         self._set_aside: tuple[PlanState, dict[str, Any]] | None = None
         #: the profile step's backward reads (CPU), for the probe's bound (`_probe_estimate`)
         self._reads: BackwardReads | None = None
@@ -855,18 +860,21 @@ class BudgetPlanner:
 
     # ---------------------------------------------------------------- deferred probe
     def _probe_estimate(self, tensors: list[TensorInfo]) -> int:
-        """What the sensitivity probe adds to a step's peak (it is not run to measure it).
-        CPU: bounded from what the profile step's backward read and held (`probe_need`:
-        per node that reads a compressed tensor, its replay or closed form on top of what
-        that node's backward held, against the step's peak). Elsewhere (no counted profile),
-        from shapes: its replays, the partial backwards that carry their noise to the
-        parameters, and the dequantized copies and per-row counts it keeps until its
-        estimate, allowed for as `PROBE_ACTIVATIONS` fp32 copies of the largest saved tensor,
-        plus a copy of the parameters' gradients."""
+        """What the sensitivity probe adds to a step's peak (it is not run to measure it). CPU:
+        bounded from what the profile step's backward read and held (`probe_need`: per node
+        that reads a compressed tensor, its replay or closed form on top of what that node's
+        backward held, against the step's peak). Elsewhere (no counted profile, or a
+        recompute profile), from shapes: its replays, the partial backwards that carry their
+        noise to the parameters, and the dequantized copies and per-row counts it keeps
+        until its estimate, allowed for as `PROBE_ACTIVATIONS` fp32 copies of the largest
+        saved tensor, plus a copy of the parameters' gradients."""
         largest = max((t.orig_bytes for t in tensors), default=0)
         params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
         reads, peak = self._reads, self._reads_peak
-        if reads is None or peak is None:
+        if reads is None or peak is None or self._recomputing:
+            # a profile that recomputed every segment read the tensors segments save in
+            # recomputations, not where the probe step, which recomputes what its plan
+            # says, reads them: its reads bound no such step
             return self.PROBE_ACTIVATIONS * largest + params
         kept = 0
         for t in tensors:
@@ -882,40 +890,41 @@ class BudgetPlanner:
     PROBE_ACTIVATIONS = 6
 
     def _arm_probe(self, state: PlanState, judged: int | None) -> None:
-        """After a step of a plan for exactly these inputs: arm the adaptive allocator's
-        sensitivity probe for the next step where the plan leaves room for it below the
-        budget (what it predicts, or what this step measured if more, plus the probe's
-        estimate) and compresses a tensor (the probe measures compressed tensors only), or
-        where a plan solved for the budget less the estimate does (the probe step runs that
-        one, `_restore_plan` puts the plan in force back). A plan shared by a size class
+        """After a step of a plan for exactly these inputs that compresses a tensor, under the
+        accuracy bound: arm the adaptive allocator's sensitivity probe for the next step,
+        which runs the probe's own plan (`_probe_plan`: every tensor at the default width,
+        the least plan under the bound), where that plan and the probe's estimate fit the
+        budget. The plan in force is set aside for that step and comes back after it
+        (`_restore_plan`). What the plan in force measured above its prediction in this step
+        is added to the probe plan's prediction. A plan shared by a size class
         (mini-batches) is armed for at its profiled sizes; the next batch runs the probe only
-        where the plan and the probe, scaled to its sizes, fit (`_probe_fits`)."""
+        where the probe's plan and the probe, scaled to its sizes, fit (`_probe_fits`).
+
+        A plan below the accuracy bound (relaxed, or admitted by the profile step's
+        measurement) is not probed: it has no variance cap, so sensitivities change nothing
+        in it, and the default-width plan would hold more than its steps."""
         src = self._profile_inputs.get(state.signature)
         if src is None and state.scaled_from is not None:
             # a plan solved from another batch's profile, scaled: the probe's estimate too
             src = self._profile_inputs.get(state.scaled_from)
             if src is not None:
                 src = src._replace(probe_need=math.ceil(src.probe_need * state.scaled_by))
-        if src is None or self.plans.get(state.signature) is not state:
+        if src is None or self.plans.get(state.signature) is not state or state.relaxed:
             return
         if not any(o.mode == "compress" for o in state.plan.choice.values()):
-            return  # the probe estimates compressed tensors only: none to learn of yet
-        held = state.predicted
-        if judged is not None:  # this step's measurement, at the profiled sizes
-            held = max(held, state.rest + math.ceil((judged - state.rest) / self._scale))
+            return  # a plan that keeps every tensor: no sensitivity would change it yet
+        probe_plan = self._probe_plan(state)
+        if not any(o.mode == "compress" for o in probe_plan.plan.choice.values()):
+            return  # the probe estimates compressed tensors only: none to learn of
+        held = probe_plan.predicted
+        if judged is not None:  # what this step measured beyond its prediction, if more
+            at = state.rest + math.ceil((judged - state.rest) / self._scale)
+            held += max(0, at - state.predicted)
         if held + src.probe_need > self.budget:
-            # no room under this plan: the probe step runs a tighter one, solved for what the
-            # budget leaves beside the probe's estimate, and the plan in force comes back after
-            if state.scaled_from is not None:
-                return  # its profile's figures are another shape's: none solved tighter here
-            tighter = self._choose(state, src, self.budget - src.probe_need)
-            if tighter is None or tighter.predicted + src.probe_need > self.budget:
-                return
-            if not any(o.mode == "compress" for o in tighter.plan.choice.values()):
-                return
+            return
+        if probe_plan.plan.choice != state.plan.choice:
             self._set_aside = (state, {n: getattr(state, n) for n in self._PLAN_FIELDS})
-            self._adopt(state, tighter)
-            held = tighter.predicted
+            self._adopt(state, probe_plan)
         adapter = self.ctl.adapter
         adapter.next_estimate = self.ctl.step  # `attach` arms it for the coming step
         adapter.attach(self.ctl)
@@ -923,12 +932,45 @@ class BudgetPlanner:
         self._probe_step = self.ctl.step + 1
         self._probe_for = (state, held, src.probe_need)
 
+    def _probe_plan(self, state: PlanState) -> PlanState:
+        """The plan the probe step runs for ``state``'s inputs: the plan in force with every
+        unit it compresses or keeps at the width of least memory at or above the default
+        width (a segment it recomputes, a tensor it swaps, stay so: a recompute profile's
+        figures predict the other options of such a unit less well). Under the accuracy
+        bound with no sensitivities known that is every compressible tensor at the default
+        width, the setting the adaptive allocator probes its own first estimate at, whose
+        sensitivities its variance cap (the accuracy bound) is measured against: a probe at
+        1 bit (the least plan) or at the widths of the plan in force measures other values
+        on attention models (``docs/results/budget.md``). It holds no more than the plan in
+        force, and a plan under the bound chosen with sensitivities holds about as much (the
+        variance cap is that of the allocator's plan, which spends the default width's
+        bytes)."""
+        units = []
+        for u in state.units:
+            now = state.plan.choice.get(u.name)
+            if now is not None and now.mode not in ("compress", "keep"):
+                options = [now]  # recomputed or swapped as the plan in force does
+            else:
+                options = [
+                    o
+                    for o in u.options
+                    if o.mode in ("compress", "keep") and o.bits >= self.default_bits
+                ] or [o for o in (now,) if o is not None]
+            units.append(dataclasses.replace(u, options=options or u.options))
+        plan = least_plan(units)
+        return dataclasses.replace(
+            state,
+            plan=plan,
+            recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
+            swap={n for n, o in plan.choice.items() if o.mode == "swap"},
+        )
+
     def _probe_fits(self, state: PlanState | None, scale: float) -> bool:
         """Whether the probe armed for the coming step may run on inputs whose plan is
         ``state`` at ``scale`` times the profiled sizes: the plan it was armed for, and what
-        that plan holds plus the probe's estimate, both scaled by the sizes (per-tensor bytes,
-        what the backward holds and the probe's copies grow with the node and edge counts),
-        within the budget."""
+        the probe's plan holds plus the probe's estimate, both scaled by the sizes
+        (per-tensor bytes, what the backward holds and the probe's copies grow with the node
+        and edge counts), within the budget."""
         armed = self._probe_for
         if armed is None or state is None or state is not armed[0]:
             return False
@@ -960,8 +1002,8 @@ class BudgetPlanner:
                 self._solve_again(state, src)
 
     def _restore_plan(self) -> None:
-        """Put back the plan a probe step set aside for a tighter one (`_arm_probe`); what
-        the rectifier added to its correction meanwhile stays."""
+        """Put back the plan in force a probe step set aside for the probe's plan
+        (`_arm_probe`); what the rectifier added to its correction meanwhile stays."""
         if self._set_aside is not None:
             state, fields = self._set_aside
             self._set_aside = None

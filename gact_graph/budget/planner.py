@@ -43,6 +43,7 @@ __all__ = [
     "Plan",
     "solve_plan",
     "smallest_memory",
+    "least_plan",
     "greedy_plan",
     "load_solver",
 ]
@@ -318,19 +319,29 @@ def greedy_plan(
         choice[best[0]] = best[1]
 
 
+def least_plan(
+    units: Sequence[Unit], variance_cap: float | None = None, time_limit: float = 5.0
+) -> Plan:
+    """The plan that holds the least memory among those that meet ``variance_cap`` (the
+    MILP's optimum, or the greedy minimum when the MILP is unavailable); ties go to the
+    faster option where the greedy minimum decides."""
+    _check(units)
+    picked = _milp(units, None, variance_cap, True, time_limit)
+    solver = "milp"
+    if picked is None:
+        picked, solver = _smallest_start(units, variance_cap), "greedy"
+        if picked is None:
+            raise ValueError("no plan meets the variance bound, whatever the memory")
+    return Plan({u.name: o for u, o in zip(units, picked)}, solver)
+
+
 def smallest_memory(
     units: Sequence[Unit], variance_cap: float | None = None, time_limit: float = 5.0
 ) -> tuple[int, str]:
-    """``(bytes, solver)``: the least memory any plan that meets ``variance_cap`` holds (the
-    MILP's optimum, or the greedy minimum when the MILP is unavailable)."""
-    _check(units)
-    picked = _milp(units, None, variance_cap, True, time_limit)
-    if picked is not None:
-        return _memory(picked), "milp"
-    start = _smallest_start(units, variance_cap)
-    if start is None:
-        raise ValueError("no plan meets the variance bound, whatever the memory")
-    return _memory(start), "greedy"
+    """``(bytes, solver)``: the least memory any plan that meets ``variance_cap`` holds
+    (`least_plan`'s)."""
+    plan = least_plan(units, variance_cap, time_limit)
+    return plan.memory, plan.solver
 
 
 def solve_plan(

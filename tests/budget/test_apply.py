@@ -330,11 +330,11 @@ def test_the_solver_is_imported_when_the_budget_is_attached_not_inside_a_step():
 
 def test_probes_stop_once_a_plan_is_in_force(least):
     # the profile step does not probe (it holds what a fixed 1-bit step holds); the probe
-    # runs once, in the first planned step (its plan compresses and, with half the budget
-    # kept as margin, leaves room for it), the plan is chosen again with its sensitivities,
-    # and no step probes after it
+    # runs once, in the first planned step (the plan meets the accuracy bound with 30 % of
+    # the budget kept as margin, and the probe's plan leaves room for the probe), the plan
+    # is chosen again with its sensitivities, and no step probes after it
     model = _model()
-    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.3)
     _train(model, ctl, _graph(600), 1)
     assert ctl.adapter.n_estimates == 0 and ctl.budget.plan_state.variance_cap is None
     _train(model, ctl, _graph(600), 4)  # the plan decides every tensor: no probe would matter
@@ -348,9 +348,11 @@ def test_a_probe_armed_for_one_inputs_plan_is_closed_when_other_inputs_come(leas
     # armed after the first graph's profile step, for its next step, by that graph's plan's
     # room; the next step brings a graph that profiles (no size class taken for it here): the
     # probe is closed before its forward (no replay, no estimate), and the first graph's
-    # next planned step arms it again
+    # planned steps arm it again once one leaves room for it (the first after the other
+    # graph's profile step measures what that step left alive beyond its prediction, which
+    # the probe's plan is charged too)
     model = _model()
-    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.3)
     small, other = _graph(600), _graph(500, seed=1)
     opt = _train(model, ctl, small, 1)
     planner = ctl.budget
@@ -360,8 +362,9 @@ def test_a_probe_armed_for_one_inputs_plan_is_closed_when_other_inputs_come(leas
     assert [h["phase"] for h in planner.history] == ["profile", "profile"]
     assert not planner.history[1]["probe"] and ctl.adapter.n_estimates == 0
     del planner._size_class
-    _train(model, ctl, small, 2, opt)
-    assert [h["probe"] for h in planner.history[2:]] == [False, True]
+    _train(model, ctl, small, 3, opt)
+    probes = [h["probe"] for h in planner.history[2:]]
+    assert not probes[0] and probes.count(True) == 1
     assert ctl.adapter.n_estimates == 1
     assert all(h["measured"] <= planner.budget for h in planner.history)
     ctl.remove()
@@ -373,7 +376,7 @@ def test_a_probe_armed_for_a_size_class_runs_in_a_batch_of_it_that_it_fits(least
     # prediction and the estimate, scaled to its sizes, fit: `_probe_fits`), within the
     # budget, and the class's plan is chosen again with the sensitivities
     model = _model()
-    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.5)
+    ctl = compress_gnn(model, memory_budget=int(least[0] * 2), budget_margin=0.3)
     small, other = _graph(600), _graph(500, seed=1)
     opt = _train(model, ctl, small, 1)
     planner = ctl.budget

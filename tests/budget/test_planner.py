@@ -7,7 +7,14 @@ import random
 import pytest
 import torch
 
-from gact_graph.budget.planner import Option, Unit, greedy_plan, smallest_memory, solve_plan
+from gact_graph.budget.planner import (
+    Option,
+    Unit,
+    greedy_plan,
+    least_plan,
+    smallest_memory,
+    solve_plan,
+)
 
 
 def _units(seed: int, n: int = 4) -> list[Unit]:
@@ -81,6 +88,22 @@ def test_smallest_memory_is_a_lower_bound_of_feasible_plans():
     assert solver == "milp"
     assert solve_plan(units, least) is not None
     assert solve_plan(units, least - 1) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_least_plan_holds_the_brute_force_least_memory(seed):
+    units = _units(seed)
+    for var_cap in (None, 2.0):
+        combos = [
+            c for c in itertools.product(*[u.options for u in units])
+            if var_cap is None or sum(o.variance for o in c) <= var_cap * (1 + 1e-9)
+        ]  # fmt: skip
+        want = min(sum(o.resident for o in c) + max(o.transient for o in c) for c in combos)
+        plan = least_plan(units, var_cap)
+        assert set(plan.choice) == {u.name for u in units} and plan.solver == "milp"
+        assert plan.memory == want
+        assert var_cap is None or plan.variance <= var_cap * (1 + 1e-9)
+        assert smallest_memory(units, var_cap) == (want, "milp")
 
 
 def test_time_is_minimized_when_memory_allows():

@@ -364,19 +364,20 @@ def test_the_sensitivity_probe_runs_in_a_planned_step_with_room_for_it(monkeypat
     assert planner.ctl.adapter.next_estimate > planner.ctl.step + 1000
 
 
-def test_the_probe_step_runs_a_tighter_plan_where_the_plan_in_force_leaves_no_room(
+def test_the_probe_step_runs_its_own_plan_where_the_plan_in_force_leaves_no_room(
     monkeypatch,
 ):
     """Where the plan in force plus the probe's estimate exceeds the budget, the probe step
-    runs a plan solved for what the budget leaves beside the estimate, within the budget;
-    after it the plan is chosen again with the sensitivities it measured."""
+    runs the probe's own plan (every tensor at the default width, no more than the plan in
+    force holds), within the budget; after it the plan is chosen again with the
+    sensitivities it measured."""
     from gact_graph.budget.apply import BudgetPlanner
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed1, _ = _counted_steps(bits=1, adaptive=False)
     budget = int(max(fixed1) * 1.25)
-    # an estimate the first plan leaves no room for, and a 1-bit plan does: twelve fp32
-    # copies of the largest saved tensor and the parameters
+    # an estimate the first plan leaves no room for, and the default-width plan does:
+    # twelve fp32 copies of the largest saved tensor and the parameters
     def estimate(self, tensors):
         params = sum(p.numel() * p.element_size() for p in self.ctl.model.parameters())
         return 12 * max(t.orig_bytes for t in tensors) + params
@@ -395,7 +396,7 @@ def test_the_probe_step_runs_a_tighter_plan_where_the_plan_in_force_leaves_no_ro
     assert [h["probe"] for h in history] == [False, True, False, False, False], history
     in_force, need = arming[0]
     assert in_force + need > budget, (arming, budget)  # no room under the first plan
-    assert history[1]["predicted"] + need <= budget, (history, need)  # the tighter plan
+    assert history[1]["predicted"] + need <= budget, (history, need)  # the probe's plan
     assert planner.ctl.adapter.c and planner.plan_state.variance_cap is not None
     for h, counted in zip(history, peaks):  # the probe step too
         assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
