@@ -61,7 +61,8 @@ def test_cli_compressed_run_writes_json(tmp_path):
     out = tmp_path / "run" / "summary.json"
     cmd = [
         sys.executable, str(MINIBATCH), "--num-nodes", "600", "--epochs", "2", "--hidden", "32",
-        "--num-parts", "3", "--threads", "1", "--no-progress", "--json", str(out),
+        "--loader", "random", "--num-parts", "3", "--threads", "1", "--no-progress",
+        "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

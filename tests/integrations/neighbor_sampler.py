@@ -10,7 +10,8 @@ nodes, hop by hop, each node added in the previous hop (the seeds for the first)
 in the batch yet is appended to it in order of first appearance. The batch is a `Data` with
 the seeds first (``n_id[:batch_size]``), ``edge_index`` relabelled to batch rows
 (``[source, destination]``, as PyG's CSC sampler returns it), ``n_id``, ``e_id`` (edge ids of
-the original graph), ``input_id`` (positions in the input nodes), ``batch_size``,
+the original graph), ``input_id`` (as PyG sets it: the seeds' node ids where ``input_nodes`` is
+a mask, their positions in ``input_nodes`` otherwise), ``batch_size``,
 ``num_sampled_nodes`` and ``num_sampled_edges`` (per hop), and every node and edge attribute
 of ``data`` filtered to them. The graph is put in CSC order and the node and edge attributes
 are filtered by PyG's own functions (`to_csc`, `filter_data`, `get_input_nodes`, all pure
@@ -136,7 +137,8 @@ class EmulatedNeighborLoader:
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.generator = generator
-        _, self.input_nodes, _ = get_input_nodes(data, input_nodes)
+        #: the seed nodes, and what ``input_id`` reports for each (None: its position)
+        _, self.input_nodes, self.input_ids = get_input_nodes(data, input_nodes)
         self.colptr, self.row, self.perm = to_csc(data, device=torch.device("cpu"))
 
     @property
@@ -153,10 +155,10 @@ class EmulatedNeighborLoader:
         for index in order.split(self.batch_size):
             yield self.batch(index)
 
-    def batch(self, input_id: Tensor) -> Data:
-        """The batch whose seeds are the input nodes at positions ``input_id``."""
+    def batch(self, index: Tensor) -> Data:
+        """The batch whose seeds are the input nodes at positions ``index``."""
         node, src, dst, edge, n_nodes, n_edges = sample_neighbors(
-            self.colptr, self.row, self.input_nodes[input_id], self.num_neighbors,
+            self.colptr, self.row, self.input_nodes[index], self.num_neighbors,
             self.generator,
         )  # fmt: skip
         # what `NodeLoader.filter_fn` builds from a `SamplerOutput`
@@ -165,6 +167,6 @@ class EmulatedNeighborLoader:
         data.e_id = self.perm[edge] if self.perm is not None else edge
         data.num_sampled_nodes = n_nodes
         data.num_sampled_edges = n_edges
-        data.input_id = input_id
-        data.batch_size = input_id.numel()
+        data.input_id = index if self.input_ids is None else self.input_ids[index]
+        data.batch_size = index.numel()
         return data
