@@ -13,8 +13,9 @@ Everything after ``--`` goes to the example unchanged.
 ``--loader neighbor-emulated`` runs no example: NeighborLoader's batches (k-hop sampled
 subgraphs, seeds first, node and edge counts varying per batch, the loss on the seeds),
 *emulated* in pure PyTorch by ``tests/integrations/neighbor_sampler.py`` since PyG's own
-NeighborLoader needs pyg-lib or torch-sparse, on a synthetic graph, in this process. Per model
-it trains under ``memory_budget=`` (``--budget-factor`` times the least budget the planner
+NeighborLoader needs pyg-lib or torch-sparse, on a synthetic graph, in this process;
+``--loader neighbor`` takes PyG's own ``NeighborLoader`` instead (where one of them imports).
+Per model it trains under ``memory_budget=`` (``--budget-factor`` times the least budget the planner
 names for the first batch) and in the default mode (2 adaptive bits), and reports per run the
 profile steps, the steps at their plan's bits, the plans kept and the worst step against the
 budget by the planner's meter (docs/results/minibatch.md):
@@ -89,11 +90,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--bits", default="2", help="the compressed setting (against fp32)")
     p.add_argument("--json", help="write every run's summary here")
     p.add_argument(
-        "--loader", choices=["example", "neighbor-emulated"], default="example",
+        "--loader", choices=["example", "neighbor-emulated", "neighbor"], default="example",
         help="example: run examples/train_minibatch.py (its own --loader after --); "
-        "neighbor-emulated: NeighborLoader's batches emulated in pure PyTorch, budget checks",
+        "neighbor-emulated: NeighborLoader's batches emulated in pure PyTorch, budget checks; "
+        "neighbor: the same checks on PyG's NeighborLoader (needs pyg-lib or torch-sparse)",
     )  # fmt: skip
-    emu = p.add_argument_group("--loader neighbor-emulated")
+    emu = p.add_argument_group("--loader neighbor-emulated / neighbor")
     emu.add_argument("--nodes", type=int, default=20_000)
     emu.add_argument("--edges", type=int, default=200_000)
     emu.add_argument("--features", type=int, default=64)
@@ -105,9 +107,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     emu.add_argument("--budget-factor", type=float, default=1.1)
     emu.add_argument("--threads", type=int, default=1)
     args = p.parse_args(own)
-    if args.loader == "neighbor-emulated":
+    if args.loader in ("neighbor-emulated", "neighbor"):
         if extra:
-            p.error("--loader neighbor-emulated runs no example: nothing goes after --")
+            p.error(f"--loader {args.loader} runs no example: nothing goes after --")
         return neighbor_emulated(args)
     rows = []
     for model in args.models:
@@ -269,7 +271,8 @@ def neighbor_table(rows: list[dict]) -> str:
 
 
 def neighbor_emulated(args) -> list[dict]:
-    """Budget and default-mode runs on NeighborLoader's batches, emulated (module docstring)."""
+    """Budget and default-mode runs on NeighborLoader's batches, emulated or PyG's own
+    (``--loader neighbor``; module docstring)."""
     import warnings
 
     import torch
@@ -281,13 +284,19 @@ def neighbor_emulated(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     data = make_synthetic_graph(args.nodes, args.edges, args.features, args.classes, seed=0)
-    loader = EmulatedNeighborLoader(
+    if args.loader == "neighbor":
+        from torch_geometric.loader import NeighborLoader as Loader
+
+        what = "PyG's NeighborLoader"
+    else:
+        Loader, what = EmulatedNeighborLoader, "NeighborLoader emulated (tests/integrations)"
+    loader = Loader(
         data, args.fanout, batch_size=args.batch_size, input_nodes=data.train_mask,
         shuffle=True, generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     batches = [b for _ in range(args.epochs) for b in loader]
     print(
-        f"NeighborLoader emulated (tests/integrations/neighbor_sampler.py): {args.nodes:,} nodes, "
+        f"{what}: {args.nodes:,} nodes, "
         f"{args.edges:,} edges, fan-out {args.fanout}, {args.batch_size} seeds per batch, "
         f"{len(batches)} steps",
         flush=True,

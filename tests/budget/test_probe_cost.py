@@ -296,16 +296,34 @@ def test_the_replay_term_counts_the_stated_bound_where_it_is_less():
     assert need(400, replayed=(10, 10))[1] == 400
 
 
-def test_a_node_states_its_bound_for_the_reads_it_made():
-    """`BackwardReads` asks a node's Function for its stated bounds (replay and walk) when
-    the node's window ends, with the layouts of every compressed read it made; a node that
-    also read a stored tensor whose unpack allocates (a swap) gets none."""
+def _read_in_turn(reads, calls, after=None) -> None:
+    """Feed ``reads`` (a `BackwardReads`) each ``(node, stored)`` of ``calls`` as that node's
+    unpack, the quantizer's classes and the probe's work faked, then close it; ``after(node)``
+    runs after each read, inside that node."""
     from types import SimpleNamespace
     from unittest import mock
 
     import torch
 
     import gact_graph.budget.probe_cost as pc
+
+    with mock.patch.object(pc, "QTensor", SimpleNamespace), \
+         mock.patch.object(pc, "_closed_form", lambda *a: None), \
+         mock.patch.object(pc, "noise_work", lambda p: 0):  # fmt: skip
+        for node, st in calls:
+            with mock.patch.object(torch._C, "_current_autograd_node", lambda n=node: n):
+                reads.read(st)
+                if after is not None:
+                    after(node)
+        reads.close()
+
+
+def test_a_node_states_its_bound_for_the_reads_it_made():
+    """`BackwardReads` asks a node's Function for its stated bounds (replay and walk) when
+    the node's window ends, with the layouts of every compressed read it made; a node that
+    also read a stored tensor whose unpack allocates (a swap) gets none."""
+    from types import SimpleNamespace
+
     from gact_graph.budget.probe_cost import BackwardReads
 
     asked = []
@@ -330,15 +348,7 @@ def test_a_node_states_its_bound_for_the_reads_it_made():
     stored = [SimpleNamespace(kind="activation", payload=p) for p in q]
     calls = [(nodes[0], stored[0]), (nodes[0], stored[1]), (nodes[1], stored[2])]
     swap = SimpleNamespace(kind="activation", payload=object())
-    with mock.patch.object(pc, "QTensor", SimpleNamespace), \
-         mock.patch.object(pc, "_closed_form", lambda *a: None), \
-         mock.patch.object(pc, "noise_work", lambda p: 0):  # fmt: skip
-        for node, st in calls:
-            with mock.patch.object(torch._C, "_current_autograd_node", lambda n=node: n):
-                reads.read(st)
-                if node is nodes[1]:
-                    reads.read(swap)
-        reads.close()
+    _read_in_turn(reads, calls, after=lambda n: reads.read(swap) if n is nodes[1] else None)
     assert asked == [(["a", "b"], False), (["a", "b"], True)]
     assert [(n.lean, n.walk) for n in reads.nodes] == [(200, 201), (None, None)]
     assert len(hooked) == 2  # one post-hook a node, where its window starts
@@ -620,11 +630,9 @@ def test_a_packed_mask_read_adds_its_unpacking_to_the_stated_bounds():
     (`mask_unpack_bytes`), whether the mask is read before or after the compressed read; a
     mask read by another node (one with no compressed read) is not counted for it."""
     from types import SimpleNamespace
-    from unittest import mock
 
     import torch
 
-    import gact_graph.budget.probe_cost as pc
     from gact_graph.budget.probe_cost import BackwardReads, mask_unpack_bytes
     from gact_graph.core.quantize import pack_bool_mask
 
@@ -643,13 +651,7 @@ def test_a_packed_mask_read_adds_its_unpacking_to_the_stated_bounds():
     mask = SimpleNamespace(kind="mask", payload=pack_bool_mask(torch.zeros(1001, dtype=bool)))
     q = SimpleNamespace(kind="activation", payload=SimpleNamespace(shape=(8, 4), layout="a"))
     calls = [(other, mask), (first, mask), (first, q), (second, q), (second, mask)]
-    with mock.patch.object(pc, "QTensor", SimpleNamespace), \
-         mock.patch.object(pc, "_closed_form", lambda *a: None), \
-         mock.patch.object(pc, "noise_work", lambda p: 0):  # fmt: skip
-        for n, st in calls:
-            with mock.patch.object(torch._C, "_current_autograd_node", lambda n=n: n):
-                reads.read(st)
-        reads.close()
+    _read_in_turn(reads, calls)
     unpacking = mask_unpack_bytes(1001)
     assert unpacking == 12 * 126 + 256 * 8 * 9
     assert [(r.lean, r.walk) for r in reads.nodes] == [(100 + unpacking, 101 + unpacking)] * 2

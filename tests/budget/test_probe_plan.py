@@ -12,16 +12,10 @@ from gact_graph import compress_gnn
 from gact_graph.budget import NAMED_SLACK, NAMED_SLACK_BYTES
 from gact_graph.models import build_model
 from gact_graph.policy.sensitivity import spearman
+from tests.budget.test_apply import _graph
 
 #: tiny ops on a shared 2-core machine: one thread avoids OpenMP barrier waits
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _graph(n: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 16, generator=g)
-    ei = torch.randint(0, n, (2, 6 * n), generator=g)
-    return x, ei, torch.randint(0, 4, (n,), generator=g)
 
 
 def _model(name: str = "gcnii"):
