@@ -17,7 +17,15 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["ProbeWalk", "Seeds", "parameters_only", "passes_through", "shares_storage"]
+__all__ = [
+    "ProbeWalk",
+    "Seeds",
+    "linear_in_parameters",
+    "parameters_only",
+    "passes_through",
+    "ready",
+    "shares_storage",
+]
 
 
 def shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
@@ -79,6 +87,55 @@ def passes_through(fn) -> bool:
     return name in _PASS_THROUGH and any(nxt is not None for nxt, _ in fn.next_functions)
 
 
+#: matmul nodes whose second operand may be a parameter (a linear layer's weight): the nodes the
+#: walk runs ahead of the engine's order once nothing pending can still reach them
+_MATMULS = {"MmBackward0": 1, "AddmmBackward0": 2}
+
+#: how many nodes `ready` looks through before it takes a node for not ready (the engine's
+#: order then holds): bounds the check's cost on deep graphs
+READY_LIMIT = 64
+
+
+def linear_in_parameters(fn, param_ids: set[int]) -> bool:
+    """Whether ``fn`` is an ``mm`` / ``addmm`` node whose second operand is a parameter or a
+    small computation on parameters alone (`parameters_only`): a linear layer's matmul, whose
+    backward needs only its incoming gradient and that operand."""
+    try:
+        k = _MATMULS.get(fn.name())
+    except Exception:  # Python nodes without a name
+        return False
+    if k is None or len(fn.next_functions) <= k:
+        return False
+    mat2 = fn.next_functions[k][0]
+    return mat2 is not None and parameters_only(mat2, param_ids)
+
+
+def ready(fn, others: Iterable, limit: int = READY_LIMIT) -> bool:
+    """Whether none of the nodes ``others`` can send ``fn`` a gradient: no path from one of
+    them down to ``fn``. A node's inputs are made before it, so such a path runs through nodes
+    of higher sequence numbers than ``fn``'s only, and the search stops at the others. ``False``
+    when it would look through more than ``limit`` nodes. Were a node taken for ready that is
+    not (sequence numbers of nodes made in other threads), the walk's sum stays the same: the
+    node runs again on the rest of its gradient (backward is linear in it)."""
+    floor = fn._sequence_nr()
+    seen: set[int] = set()
+    stack = [o for o in others if o is not fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if len(seen) > limit:
+            return False
+        for nxt, _ in f.next_functions:
+            if nxt is fn:
+                return False
+            if nxt is not None and getattr(nxt, "variable", None) is None:
+                if nxt._sequence_nr() > floor:
+                    stack.append(nxt)
+    return True
+
+
 class Seeds:
     """The noise one replay put into the gradients of activations: ``grads[i]`` enters the
     graph at ``edges[i]``; carried to the parameters together (same noise draw)."""
@@ -130,12 +187,14 @@ class ProbeWalk:
     def _walk(self, acc: dict[int, Tensor], edges: list, grads: list[Tensor]) -> None:
         """Carry the seeds ``grads`` at ``edges`` to the parameters (into ``acc``) by hand, one
         node at a time, latest in forward order first (as the engine orders them: no node left
-        feeds the one that runs), with the gradients that reach one node input summed into one
-        tensor as soon as both exist. A partial backward holds the gradients it starts from
-        to its end; walked so, each is released once its node has run, and seeds that meet
-        below (GAT's attention logits and features, both from one linear layer's output) go
-        on as one gradient rather than as a full partial backward each while the other waits
-        (which holds the waiting one, grown to N x H x C at the linear layer). Where a node
+        feeds the one that runs) but for a linear layer's matmul that nothing pending can still
+        reach, which runs first (`_next_node`), with the gradients that reach one node input
+        summed into one tensor as soon as both exist. A partial backward holds the gradients
+        it starts from to its end; walked so, each is released once its node has run, and
+        seeds that meet below (GAT's attention logits and features, both from one linear
+        layer's output) go on as one gradient rather than as a full partial backward each
+        while the other waits (which holds the waiting one, grown to N x H x C at the linear
+        layer). Where a node
         cannot be run alone (`_runnable`), the rest is one partial backward. The sum
         over parameters is linear in the seeds: walking changes only the order of additions.
         Gradients that reach a small computation on parameters alone (`parameters_only`, e.g.
@@ -147,8 +206,10 @@ class ProbeWalk:
         edges.clear()
         param_side: list[list] = []  # [edge, gradient] into parameter-only subgraphs
         params_only: dict[int, bool] = {}
+        linear: dict[int, bool] = {}
         while pending:
-            node = max((e.node for e, _ in pending.values()), key=lambda n: n._sequence_nr())
+            nodes = list({id(e.node): e.node for e, _ in pending.values()}.values())
+            node = self._next_node(nodes, params_only, linear)
             if id(node) not in params_only:
                 params_only[id(node)] = parameters_only(node, self._param_ids)
             if params_only[id(node)]:
@@ -171,6 +232,29 @@ class ProbeWalk:
         param_side.clear()
         if rest:
             self._grad_into(acc, [e for e, _ in rest], [g for _, g in rest])
+
+    def _next_node(self, nodes: list, params_only: dict[int, bool], linear: dict[int, bool]):
+        """The pending node the walk runs next: the latest in forward order, as the engine
+        runs them, unless an earlier one is a linear layer's matmul (`linear_in_parameters`)
+        that nothing pending can still reach (`ready`); that one runs first. Its gradient
+        would otherwise wait while the branch beside it runs (a GAT layer's residual
+        projection while its edge stage and feature projection run, each of their gradients
+        N x H x C), where its result, the gradient of its input, joins the one that branch
+        sends to the same input. The sum over parameters is the same in either order
+        (backward is linear in the incoming gradients); the additions change order."""
+        latest = max(nodes, key=lambda n: n._sequence_nr())
+        for fn in sorted(nodes, key=lambda n: n._sequence_nr()):
+            if fn is latest:
+                break
+            if id(fn) not in linear:
+                linear[id(fn)] = (
+                    self._runnable(fn)
+                    and linear_in_parameters(fn, self._param_ids)
+                    and not params_only.setdefault(id(fn), parameters_only(fn, self._param_ids))
+                )
+            if linear[id(fn)] and ready(fn, nodes):
+                return fn
+        return latest
 
     @staticmethod
     def _merge(pending: dict, edges: list, grads: list[Tensor]) -> None:
