@@ -34,13 +34,12 @@ def shares_storage(t: Tensor, others: Iterable[Tensor]) -> bool:
     return any(o.untyped_storage().data_ptr() == ptr for o in others)
 
 
-def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
-    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
-    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
-    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
-    touches parameter-sized tensors only."""
+def _bounded_search(start: Iterable, limit: int, expand) -> bool:
+    """Depth first over the autograd nodes reached from ``start``, each once, as ``expand``
+    leads (``expand(f)``: the nodes to go on to from ``f``, or None where the answer is found
+    to be no): False at a None or past ``limit`` nodes visited, True where nothing is left."""
     seen: set[int] = set()
-    stack = [fn]
+    stack = list(start)
     while stack:
         f = stack.pop()
         if id(f) in seen:
@@ -48,16 +47,27 @@ def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
         seen.add(id(f))
         if len(seen) > limit:
             return False
+        following = expand(f)
+        if following is None:
+            return False
+        stack.extend(following)
+    return True
+
+
+def parameters_only(fn, param_ids: set[int], limit: int = 32) -> bool:
+    """Whether the graph below ``fn`` is a small computation on parameters alone: at most
+    ``limit`` nodes, every path ending in a parameter's ``AccumulateGrad`` (an input that needs
+    no gradient, or any activation, makes it ``False``), so a partial backward from ``fn``
+    touches parameter-sized tensors only."""
+
+    def expand(f):
         var = getattr(f, "variable", None)
         if var is not None:
-            if id(var) not in param_ids:
-                return False
-            continue
-        for nxt, _ in f.next_functions:
-            if nxt is None:
-                return False
-            stack.append(nxt)
-    return True
+            return () if id(var) in param_ids else None
+        following = [nxt for nxt, _ in f.next_functions]
+        return None if any(nxt is None for nxt in following) else following
+
+    return _bounded_search([fn], limit, expand)
 
 
 #: autograd nodes whose backward moves a gradient without computing on it (a view, a copy, a
@@ -118,22 +128,18 @@ def ready(fn, others: Iterable, limit: int = READY_LIMIT) -> bool:
     not (sequence numbers of nodes made in other threads), the walk's sum stays the same: the
     node runs again on the rest of its gradient (backward is linear in it)."""
     floor = fn._sequence_nr()
-    seen: set[int] = set()
-    stack = [o for o in others if o is not fn]
-    while stack:
-        f = stack.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        if len(seen) > limit:
-            return False
+
+    def expand(f):
+        following = []
         for nxt, _ in f.next_functions:
             if nxt is fn:
-                return False
+                return None
             if nxt is not None and getattr(nxt, "variable", None) is None:
                 if nxt._sequence_nr() > floor:
-                    stack.append(nxt)
-    return True
+                    following.append(nxt)
+        return following
+
+    return _bounded_search([o for o in others if o is not fn], limit, expand)
 
 
 class Seeds:
