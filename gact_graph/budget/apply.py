@@ -234,6 +234,9 @@ class BudgetPlanner(ProbeStep):
         self._probe_for: tuple[PlanState, int, int] | None = None
         #: the plan in force a probe step set aside for the probe's plan, with its fields
         self._set_aside: tuple[PlanState, dict[str, Any]] | None = None
+        #: per plan in force, the probe's plan solved for it, while that plan stands
+        #: (`_probe_plan`: a solve each step otherwise, where the probe waits for room)
+        self._probe_plans: dict[int, tuple[PlanState, Any, PlanState]] = {}
         #: the profile step's backward reads (CPU), for the probe's bound (`_probe_estimate`)
         self._reads: BackwardReads | None = None
         self._reads_peak: int | None = None  # the profile step's peak those were read under

@@ -142,7 +142,10 @@ class ProbeStep:
         on attention models (``docs/results/budget.md``). It holds no more than the plan in
         force, and a plan under the bound chosen with sensitivities holds about as much (the
         variance cap is that of the allocator's plan, which spends the default width's
-        bytes)."""
+        bytes). Solved once per plan in force while that plan stands."""
+        hit = self._probe_plans.get(id(state))
+        if hit is not None and hit[0] is state and hit[1] is state.plan:
+            return hit[2]
         units = []
         for u in state.units:
             now = state.plan.choice.get(u.name)
@@ -156,12 +159,14 @@ class ProbeStep:
                 ] or [o for o in (now,) if o is not None]
             units.append(dataclasses.replace(u, options=options or u.options))
         plan = least_plan(units)
-        return dataclasses.replace(
+        probe = dataclasses.replace(
             state,
             plan=plan,
             recompute={n for n, o in plan.choice.items() if o.mode == "recompute"},
             swap={n for n, o in plan.choice.items() if o.mode == "swap"},
         )
+        self._probe_plans[id(state)] = (state, state.plan, probe)
+        return probe
 
     def _probe_fits(self, state: PlanState | None, scale: float) -> bool:
         """Whether the probe armed for the coming step may run on inputs whose plan is
@@ -184,6 +189,7 @@ class ProbeStep:
         self._restore_plan()
         self._pause_probes()
         kept, self._profile_inputs = self._profile_inputs, {}  # needed no more
+        self._probe_plans.clear()
         if not self._sensitivities():
             return
         # plans scaled from a profile are solved again from it, scaled, when a batch of their

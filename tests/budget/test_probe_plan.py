@@ -4,6 +4,8 @@ estimate at; it fits the budget with the probe's estimate, the plan in force com
 it, and the sensitivities it measures agree with the allocator's own (a probe at 1 bit, the
 least plan, measures other values on an attention model)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,29 @@ def test_the_probe_step_runs_every_tensor_at_the_default_width_and_fits():
     assert set(later) == set(in_force)
     for name, bits in seen[2].items():  # the planned steps run the re-chosen plan's bits
         assert bits == planner.bits_for(name)
+    ctl.remove()
+
+
+def test_the_probe_plan_is_solved_once_per_plan_in_force(monkeypatch):
+    """Where the probe's estimate never fits, every planned step asks for the probe's plan
+    again: it is solved once for the plan in force, and again once that plan changes."""
+    import gact_graph.budget.probe_step as ps
+    from gact_graph.budget.apply import BudgetPlanner
+
+    solves = []
+    real = ps.least_plan
+    monkeypatch.setattr(ps, "least_plan", lambda units: solves.append(1) or real(units))
+    monkeypatch.setattr(BudgetPlanner, "_probe_estimate", lambda self, tensors: 1 << 40)
+    graph = _graph(600)
+    model = _model()
+    ctl = compress_gnn(model, memory_budget=2 * _least_budget(graph), budget_margin=0.3)
+    planner = ctl.budget
+    _steps(model, ctl, graph, 5)
+    assert [h["probe"] for h in planner.history] == [False] * 5
+    assert planner.plan_state.relaxed == "" and len(solves) == 1, solves
+    state = planner.plan_state
+    state.plan = dataclasses.replace(state.plan)  # the plan in force changes (a re-plan)
+    assert planner._probe_plan(state).plan.choice and len(solves) == 2
     ctl.remove()
 
 
