@@ -413,6 +413,9 @@ class Controller:
             return None
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so install nothing
             return None
+        if torch.jit.is_tracing() or torch._C._functorch.maybe_current_level() is not None:
+            # a trace records stock's computation; torch.func's wrapped tensors have no storage
+            return None
         with self._lock:
             if self._compressing_threads:
                 self._tls.depth = 0
