@@ -241,11 +241,6 @@ class Controller:
         self._live: list[weakref.ref] = []
         self._removed = False
         self._warned_range: set[str] = set()
-        min_bytes = self.config.extra.get("min_bytes")
-        if min_bytes is not None and (
-            isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
-        ):
-            raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
 
         if self.config.opt_level != "L0":
             self._install()
