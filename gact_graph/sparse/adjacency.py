@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.switches import once_per_graph, package_work
+from gact_graph.switches import eager_when_compiling, once_per_graph, package_work
 
 __all__ = [
     "CompactAdjacency",
@@ -517,6 +517,11 @@ def _cache_of(ctl) -> AdjacencyCache:
     return cache
 
 
+@eager_when_compiling  # Dynamo would build the reference itself and drop it half made
+def _storage_ref(t: Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
 def _identity_key(
     t: Tensor | None,
 ) -> tuple[tuple, list[StorageWeakRef], list[Tensor]] | None:
@@ -549,7 +554,7 @@ def _identity_key(
     t = _plain(t)
     if t.layout != torch.strided or t.device.type == "meta":
         return None
-    ref = StorageWeakRef(t.untyped_storage())
+    ref = _storage_ref(t)
     key = (ref.cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
     return key, [ref], [t]
 
