@@ -161,6 +161,31 @@ def test_no_module_lowers_float32_matmul_precision():
     assert not offenders, offenders
 
 
+def test_no_module_changes_the_users_warning_filters():
+    """The package quiets a warning only inside ``warnings.catch_warnings()``: a filter added
+    at import, or anywhere else, would change what the user's own code is told."""
+    changes = {"warnings.filterwarnings", "warnings.simplefilter", "warnings.resetwarnings"}
+
+    def outside(node: ast.AST, inside: bool) -> list[int]:
+        lines = []
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call) and ast.unparse(child.func) in changes and not inside:
+                lines.append(child.lineno)
+            catches = isinstance(child, ast.With) and any(
+                ast.unparse(item.context_expr) == "warnings.catch_warnings()"
+                for item in child.items
+            )
+            lines += outside(child, inside or catches)
+        return lines
+
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in outside(ast.parse(path.read_text(encoding="utf-8")), False)
+    ]
+    assert not offenders, offenders
+
+
 #: Most lines a module and a class of the package may hold: a module past them is split (one op
 #: per kernel file, one concern per module), so that each reads whole.
 MAX_MODULE_LINES, MAX_CLASS_LINES = 700, 400
