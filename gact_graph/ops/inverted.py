@@ -69,7 +69,7 @@ class DerivativeFunction(torch.autograd.Function):
                 y = _nn.silu_(x)
             else:
                 y = _nn.silu(x)
-        ctx.name = name
+        ctx.op_name = name
         ctx.save_for_backward(d)
         return y
 
@@ -93,7 +93,7 @@ class DerivativeFunction(torch.autograd.Function):
             # once_differentiable would let a create_graph backward run and silently drop the
             # second-order term whenever ``grad`` itself needs no gradient; refuse instead.
             raise RuntimeError(
-                f"gact_graph: {ctx.name} keeps its derivative, not its input, and is "
+                f"gact_graph: {ctx.op_name} keeps its derivative, not its input, and is "
                 "differentiable once; " + DOUBLE_BACKWARD_HELP
             )
         (d,) = ctx.saved_tensors

@@ -98,7 +98,9 @@ def main() -> None:
     for name in args.models.split(","):
         times, probed, shares = step_times(name, data, args.steps, device, clock)
         steps = [i for i, p in enumerate(probed) if p]
-        median = statistics.median(t for i, t in enumerate(times) if not probed[i])
+        # a tiny graph may re-estimate at every step: then the median is over all of them
+        plain = [t for i, t in enumerate(times) if not probed[i]] or times
+        median = statistics.median(plain)
         ratios = {i: times[i] / median for i in steps}
         later = [r for i, r in ratios.items() if i > 0]
         print(json.dumps({
@@ -106,7 +108,7 @@ def main() -> None:
             "probed_over_median": {str(i): round(r, 2) for i, r in ratios.items()},
             "worst_later_probed": round(max(later), 2) if later else None,
             "mean_later_probed": round(statistics.mean(later), 2) if later else None,
-            "probed_steps": len(later),
+            "probed_steps": len(later), "unprobed_steps": len(times) - len(steps),
             "shares": {str(i): shares[i] for i in steps},
         }), flush=True)  # fmt: skip
 
