@@ -287,6 +287,7 @@ class Controller:
     def add_handle(self, handle: torch.utils.hooks.RemovableHandle) -> None:
         """Own a hook that a layer above registered on the model: `remove()` removes it and
         copies of the model never carry it (it may also be removed earlier by its owner)."""
+        self._handles = [h for h in self._handles if h.id in (h.hooks_dict_ref() or ())]
         self._handles.append(handle)
 
     def patch_forward(self, module: nn.Module, forward: Callable) -> None:
