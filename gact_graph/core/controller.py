@@ -65,7 +65,7 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDict
 
 
 def mix_seed(*parts: int) -> int:
-    """splitmix64 over the parts: decorrelated 31-bit seeds from (base, step, index, salt)."""
+    """splitmix64 over the parts: decorrelated 31-bit seeds (base, step, forward, index, salt)."""
     h = 0x9E3779B97F4A7C15
     for p in parts:
         h = (h ^ (p & _MASK64)) & _MASK64
@@ -234,7 +234,7 @@ class Controller:
         self._params = StorageSet()
         self._inputs = StorageSet()
         self._lossless: dict[int, tuple[Any, str]] = {}
-        self._forward_id = 0
+        self._forward_id = self._step_forwards = 0  # training forwards: ever, this step's
         self._records_forward = -1
         self._records: list[dict[str, Any]] = []
         self._record_of: dict[str, dict[str, Any]] = {}
@@ -438,7 +438,7 @@ class Controller:
                     "a time (no_grad/eval forwards in other threads are fine)"
                 )
             self._compressing_threads += 1
-        self._forward_id += 1
+        self._forward_id, self._step_forwards = self._forward_id + 1, self._step_forwards + 1
         self._pack_counts = {}
         self._dedup.clear()
         self._params = StorageSet(list(self.model.parameters()) + list(self.model.buffers()))
@@ -615,9 +615,8 @@ class Controller:
                     stacklevel=2,
                 )
             return Stored(name, "activation", t, None, nbytes, nbytes, version)
-        seed = mix_seed(
-            self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
-        )
+        salt = self.seed_salt.get(name, 0)
+        seed = mix_seed(self.config.seed, self.step, self._step_forwards, len(self._records), salt)
         q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
         return Stored(name, "activation", q, bits, nbytes, q.nbytes)
 
@@ -656,7 +655,7 @@ class Controller:
             self.adapter.maybe_adapt(self, step_fn)
         for hook in self._step_hooks:
             hook(self)
-        self.step += 1
+        self.step, self._step_forwards = self.step + 1, 0
 
     def add_step_hook(self, hook: Callable[[Controller], None]) -> None:
         """Call ``hook(ctl)`` at every `iterate()` (after the optimizer step, before the step
@@ -834,7 +833,7 @@ class Controller:
                 "load_state_dict(state, strict=False) to keep this controller's settings (the "
                 "step and any sensitivity estimates are loaded, the plan is made anew)"
             )
-        self.step = step
+        self.step, self._step_forwards = step, 0
         if conflicts:  # strict=False: this controller's settings hold
             self.plan = {}
             if load_adapter:
