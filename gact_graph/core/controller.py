@@ -217,6 +217,7 @@ class Controller:
         self.bits_floor: int | None = None
         #: the gradient watch (`gact_graph.policy.watch`), set by `compress_gnn` when it quantizes
         self.watch = None
+        self.budget = None  # the memory budget's planner (`gact_graph.budget`), with a budget
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         #: (module, had an instance ``forward``, that forward) per `patch_forward`, in order
@@ -758,10 +759,8 @@ class Controller:
             "model": type(self.model).__qualname__,
             "modules": sorted(self.module_paths),
         }
-        if self.adapter is not None:
-            state["adapter"] = self.adapter.state_dict()
-        if self.watch is not None:
-            state["watch"] = self.watch.state_dict()
+        parts = {"adapter": self.adapter, "watch": self.watch, "budget": self.budget}
+        state.update({k: p.state_dict() for k, p in parts.items() if p is not None})
         return state
 
     def _paths(self) -> set[str]:
@@ -819,9 +818,10 @@ class Controller:
             self.adapter.check_state(adapter_state)  # raises, naming what is wrong
             for name in adapter_state["tensors"]:
                 self._check_tensor_name(name, paths, "adapter state")
-        watch_state = state.get("watch")
-        if watch_state is not None and self.watch is not None:
-            self.watch.check_state(watch_state)
+        others = {"watch": self.watch, "budget": self.budget}  # loaded as `watch` is
+        others = [(p, state[k]) for k, p in others.items() if p is not None and k in state]
+        for part, saved in others:
+            part.check_state(saved)
         if conflicts and strict:
             said = ", ".join(
                 f"{k}={saved!r} (this controller: {now!r})" for k, saved, now in conflicts
@@ -856,8 +856,8 @@ class Controller:
         self.plan = dict(plan)
         if load_adapter:
             self.adapter.load_state_dict(adapter_state)
-        if watch_state is not None and self.watch is not None:
-            self.watch.load_state_dict(watch_state, self)
+        for part, saved in others:
+            part.load_state_dict(saved, self)
 
     def _check_tensor_name(self, name: Any, paths: set[str], where: str) -> None:
         if not isinstance(name, str) or "#" not in name:
