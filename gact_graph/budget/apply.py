@@ -121,15 +121,10 @@ from gact_graph.budget.measure import forward_lower_bound, profile_figures, segm
 from gact_graph.budget.planner import Unit, load_solver
 from gact_graph.budget.probe_cost import BackwardReads
 from gact_graph.budget.probe_step import ProbeStep, ProfileInputs
-from gact_graph.budget.profile import (
-    CodecTimer,
-    LiveBytes,
-    PeakBytes,
-    StepMeter,
-    TensorInfo,
-)
+from gact_graph.budget.profile import CodecTimer, LiveBytes, PeakBytes, StepMeter, TensorInfo
 from gact_graph.budget.rectifier import replan
 from gact_graph.budget.report import METERS, budget_report
+from gact_graph.budget.resume import PlannerState
 from gact_graph.budget.selection import Deferred, ProfileFigures, select_plan, variance_cap
 from gact_graph.budget.state import PlanState, SizeClasses
 from gact_graph.budget.units import build_units
@@ -153,7 +148,7 @@ __all__ = [
 DEFAULT_MARGIN = 0.1
 
 
-class BudgetPlanner(ProbeStep):
+class BudgetPlanner(ProbeStep, PlannerState):
     """Keeps a model's training steps under ``budget`` bytes (see the module docstring).
 
     ``ctl.budget`` is this object: ``plan_state`` (the plan in force), ``history`` (per step:
@@ -377,7 +372,7 @@ class BudgetPlanner(ProbeStep):
         self._signature = signature
         self._static = self._static_bytes(inputs)
         if self._timer is None:
-            self._timer = CodecTimer(device, self.group_size)
+            self._timer = CodecTimer(device, self.group_size, measured=self._codec_seconds)
         self._meter = StepMeter(device)
         self._meter.begin()
         self._live = None

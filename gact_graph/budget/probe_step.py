@@ -43,6 +43,34 @@ class ProfileInputs(NamedTuple):
     shared: dict[int, int]
     probe_need: int
 
+    def to_plain(self) -> tuple:
+        """These inputs in plain types, sharing nothing with them (`from_plain` reads them)."""
+        return (
+            None if self.fig is None else dataclasses.astuple(self.fig),
+            [dataclasses.astuple(t) for t in self.tensors],
+            {k: [dataclasses.astuple(t) for t in ts] for k, ts in self.inner.items()},
+            {k: sorted(v) for k, v in self.referenced.items()},
+            dict(self.recompute_seconds),
+            dict(self.recompute_rise),
+            dict(self.shared),
+            self.probe_need,
+        )
+
+    @classmethod
+    def from_plain(cls, plain: tuple) -> ProfileInputs:
+        """The inputs `to_plain` wrote (raises on anything else)."""
+        fig, tensors, inner, referenced, seconds, rise, shared, need = plain
+        return cls(
+            None if fig is None else ProfileFigures(*fig),
+            [TensorInfo(*t) for t in tensors],
+            {k: [TensorInfo(*t) for t in ts] for k, ts in inner.items()},
+            {k: set(v) for k, v in referenced.items()},
+            dict(seconds),
+            dict(rise),
+            dict(shared),
+            int(need),
+        )
+
 
 class ProbeStep:
     """The deferred sensitivity probe of `BudgetPlanner` (see the module docstring)."""

@@ -128,19 +128,27 @@ class StepMeter:
 class CodecTimer:
     """Seconds to quantize and dequantize a tensor of a given shape at a given width, measured
     once per (shape, bits) on a random tensor on the model's device (shapes repeat across
-    the layers of a GNN, so this is a handful of measurements)."""
+    the layers of a GNN, so this is a handful of measurements). ``measured`` holds them,
+    ``(shape, bits) -> seconds``: the dict given (a resumed run's earlier measurements), which
+    it fills."""
 
-    def __init__(self, device: torch.device, group_size: int, repeats: int = 3) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        group_size: int,
+        repeats: int = 3,
+        measured: dict[tuple[tuple[int, ...], int], float] | None = None,
+    ) -> None:
         self.device = device
         self.group_size = group_size
         self.repeats = repeats
-        self._cache: dict[tuple[tuple[int, ...], int], float] = {}
+        self.measured = {} if measured is None else measured
 
     def seconds(self, shape: tuple[int, ...], bits: int) -> float:
         if bits >= 32 or math.prod(shape) == 0:
             return 0.0
         key = (tuple(shape), int(bits))
-        hit = self._cache.get(key)
+        hit = self.measured.get(key)
         if hit is not None:
             return hit
         x = torch.randn(shape, device=self.device)
@@ -151,7 +159,7 @@ class CodecTimer:
             quantize(x, bits, group_size=self.group_size, seed=i).dequantize()
             self._sync()
             best = min(best, time.perf_counter() - t0)
-        self._cache[key] = best
+        self.measured[key] = best
         return best
 
     def _sync(self) -> None:

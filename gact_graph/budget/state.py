@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from gact_graph.budget.planner import Plan, Unit, solve_plan
+from gact_graph.budget.planner import Option, Plan, Unit, solve_plan
 
 __all__ = ["PlanState", "SizeClasses"]
 
@@ -58,6 +59,34 @@ class PlanState:
             # measured, less what the plan is predicted to hold below the setting that ran
             return self.profile_peak - (self.profile_memory - self.plan.memory)
         return self.rest + self.fixed + self.plan.memory + self.transient + self.correction
+
+    def to_dict(self) -> dict[str, Any]:
+        """This state in plain types, sharing nothing with it (what ``torch.load`` reads back
+        with ``weights_only``): a resumed run's planner takes it back (`from_dict`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["plan"] = (
+            {n: dataclasses.astuple(o) for n, o in self.plan.choice.items()},
+            self.plan.solver,
+        )
+        out["units"] = [
+            (u.name, u.kind, [dataclasses.astuple(o) for o in u.options], u.orig_bytes)
+            for u in self.units
+        ]
+        out["recompute"], out["swap"] = sorted(self.recompute), sorted(self.swap)
+        return out
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> PlanState:
+        """The state `to_dict` wrote (raises on anything else)."""
+        state = dict(state)
+        choice, solver = state["plan"]
+        state["plan"] = Plan({n: Option(*o) for n, o in choice.items()}, solver)
+        state["units"] = [
+            Unit(name, kind, [Option(*o) for o in options], orig)
+            for name, kind, options, orig in state["units"]
+        ]
+        state["recompute"], state["swap"] = set(state["recompute"]), set(state["swap"])
+        return cls(**state)
 
 
 class SizeClasses:

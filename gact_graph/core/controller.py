@@ -65,7 +65,7 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDict
 
 
 def mix_seed(*parts: int) -> int:
-    """splitmix64 over the parts: decorrelated 31-bit seeds from (base, step, index, salt)."""
+    """splitmix64 over the parts: decorrelated 31-bit seeds (base, step, forward, index, salt)."""
     h = 0x9E3779B97F4A7C15
     for p in parts:
         h = (h ^ (p & _MASK64)) & _MASK64
@@ -217,6 +217,7 @@ class Controller:
         self.bits_floor: int | None = None
         #: the gradient watch (`gact_graph.policy.watch`), set by `compress_gnn` when it quantizes
         self.watch = None
+        self.budget = None  # the memory budget's planner (`gact_graph.budget`), with a budget
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         #: (module, had an instance ``forward``, that forward) per `patch_forward`, in order
@@ -234,7 +235,7 @@ class Controller:
         self._params = StorageSet()
         self._inputs = StorageSet()
         self._lossless: dict[int, tuple[Any, str]] = {}
-        self._forward_id = 0
+        self._forward_id = self._step_forwards = 0  # training forwards: ever, this step's
         self._records_forward = -1
         self._records: list[dict[str, Any]] = []
         self._record_of: dict[str, dict[str, Any]] = {}
@@ -287,6 +288,7 @@ class Controller:
     def add_handle(self, handle: torch.utils.hooks.RemovableHandle) -> None:
         """Own a hook that a layer above registered on the model: `remove()` removes it and
         copies of the model never carry it (it may also be removed earlier by its owner)."""
+        self._handles = [h for h in self._handles if h.id in (h.hooks_dict_ref() or ())]
         self._handles.append(handle)
 
     def patch_forward(self, module: nn.Module, forward: Callable) -> None:
@@ -437,7 +439,7 @@ class Controller:
                     "a time (no_grad/eval forwards in other threads are fine)"
                 )
             self._compressing_threads += 1
-        self._forward_id += 1
+        self._forward_id, self._step_forwards = self._forward_id + 1, self._step_forwards + 1
         self._pack_counts = {}
         self._dedup.clear()
         self._params = StorageSet(list(self.model.parameters()) + list(self.model.buffers()))
@@ -614,9 +616,8 @@ class Controller:
                     stacklevel=2,
                 )
             return Stored(name, "activation", t, None, nbytes, nbytes, version)
-        seed = mix_seed(
-            self.config.seed, self.step, len(self._records), self.seed_salt.get(name, 0)
-        )
+        salt = self.seed_salt.get(name, 0)
+        seed = mix_seed(self.config.seed, self.step, self._step_forwards, len(self._records), salt)
         q = quantize(t.detach(), bits, group_size=self.config.group_size, seed=seed)
         return Stored(name, "activation", q, bits, nbytes, q.nbytes)
 
@@ -655,7 +656,7 @@ class Controller:
             self.adapter.maybe_adapt(self, step_fn)
         for hook in self._step_hooks:
             hook(self)
-        self.step += 1
+        self.step, self._step_forwards = self.step + 1, 0
 
     def add_step_hook(self, hook: Callable[[Controller], None]) -> None:
         """Call ``hook(ctl)`` at every `iterate()` (after the optimizer step, before the step
@@ -758,10 +759,8 @@ class Controller:
             "model": type(self.model).__qualname__,
             "modules": sorted(self.module_paths),
         }
-        if self.adapter is not None:
-            state["adapter"] = self.adapter.state_dict()
-        if self.watch is not None:
-            state["watch"] = self.watch.state_dict()
+        parts = {"adapter": self.adapter, "watch": self.watch, "budget": self.budget}
+        state.update({k: p.state_dict() for k, p in parts.items() if p is not None})
         return state
 
     def _paths(self) -> set[str]:
@@ -819,9 +818,10 @@ class Controller:
             self.adapter.check_state(adapter_state)  # raises, naming what is wrong
             for name in adapter_state["tensors"]:
                 self._check_tensor_name(name, paths, "adapter state")
-        watch_state = state.get("watch")
-        if watch_state is not None and self.watch is not None:
-            self.watch.check_state(watch_state)
+        others = {"watch": self.watch, "budget": self.budget}  # loaded as `watch` is
+        others = [(p, state[k]) for k, p in others.items() if p is not None and k in state]
+        for part, saved in others:
+            part.check_state(saved)
         if conflicts and strict:
             said = ", ".join(
                 f"{k}={saved!r} (this controller: {now!r})" for k, saved, now in conflicts
@@ -833,7 +833,7 @@ class Controller:
                 "load_state_dict(state, strict=False) to keep this controller's settings (the "
                 "step and any sensitivity estimates are loaded, the plan is made anew)"
             )
-        self.step = step
+        self.step, self._step_forwards = step, 0
         if conflicts:  # strict=False: this controller's settings hold
             self.plan = {}
             if load_adapter:
@@ -856,8 +856,8 @@ class Controller:
         self.plan = dict(plan)
         if load_adapter:
             self.adapter.load_state_dict(adapter_state)
-        if watch_state is not None and self.watch is not None:
-            self.watch.load_state_dict(watch_state, self)
+        for part, saved in others:
+            part.load_state_dict(saved, self)
 
     def _check_tensor_name(self, name: Any, paths: set[str], where: str) -> None:
         if not isinstance(name, str) or "#" not in name:

@@ -582,8 +582,9 @@ class _Segment:
         hit = by_view.get(view_key(t, ref))
         if hit is not None:
             return hit, False
-        # The controller seeds from (seed, step, #records, salt[name]); in backward #records is
-        # fixed, so a salt per (segment call, index) keeps the rounding noise independent.
+        # The controller seeds from (seed, step, forward, #records, salt[name]); in backward
+        # #records is fixed, so a salt per (segment call, index) keeps the rounding noise
+        # independent.
         ctl.seed_salt[name] = mix_seed(self.serial, i)
         try:
             return ctl._store(name, t.detach(), ref.cdata), True

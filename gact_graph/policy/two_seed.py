@@ -67,6 +67,8 @@ def two_seed_sensitivity(
     params = [p for p in ctl.model.parameters() if p.requires_grad]
     rng = _snapshot_rng()
     old_salt = dict(ctl.seed_salt)
+    # every run rounds as the same forward of the step: only tensor l's seed differs
+    forwards = ctl._step_forwards
     out: dict[str, float] = {}
     with _frozen_buffers(ctl.model):
         if names is None:
@@ -81,6 +83,7 @@ def two_seed_sensitivity(
                 for salt in (1000 + 2 * r, 1001 + 2 * r):
                     ctl.seed_salt[name] = salt
                     _restore_rng(rng)
+                    ctl._step_forwards = forwards
                     step_fn()
                     grads.append(flat_grads(params))
                     rec = next((t for t in ctl.stats()["tensors"] if t["name"] == name), None)
@@ -93,5 +96,6 @@ def two_seed_sensitivity(
                 out[name] = total / repeats
     ctl.seed_salt.clear()
     ctl.seed_salt.update(old_salt)
+    ctl._step_forwards = forwards
     _restore_rng(rng)
     return out

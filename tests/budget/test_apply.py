@@ -2,6 +2,7 @@
 raises before training naming the smallest feasible one, a new graph size re-plans, and a
 budget that allows everything kept gives stock's gradients."""
 
+import io
 import math
 import subprocess
 import sys
@@ -342,6 +343,61 @@ def test_probes_stop_once_a_plan_is_in_force(least):
     assert ctl.adapter.n_estimates == 1 and ctl.adapter.c  # what the plan was chosen again by
     assert all(h["measured"] <= ctl.budget.budget for h in ctl.budget.history)
     ctl.remove()
+
+
+def _losses(model, ctl, graph, opt, steps):
+    x, ei, y = graph
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x, ei), y)
+        loss.backward()
+        opt.step()
+        ctl.iterate()
+        out.append(loss.item())
+    return out
+
+
+def test_a_run_resumed_from_its_state_dict_trains_as_the_uninterrupted_one(least):
+    # saved after the profile step, with the probe armed for the coming step: the plans, the
+    # probe's schedule and the codec timings come back with the state, so the resumed run
+    # probes, plans and rounds as the uninterrupted one, bit for bit (it profiled again, at
+    # 1 bit, and planned from its own timings). The budget: a tenth below what keeping every
+    # tensor is predicted to hold, with 30 % margin (a plan that compresses, the probe beside it)
+    budget, graph = int(0.9 * least[1].predicted / 0.7), _graph(600)
+
+    def run():
+        model = _model()
+        ctl = compress_gnn(model, memory_budget=budget, budget_margin=0.3)
+        return model, ctl, torch.optim.Adam(model.parameters(), 1e-2)
+
+    model, ctl, opt = run()
+    _losses(model, ctl, graph, opt, 1)
+    assert ctl.budget._probe_step == 1
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict()}, buf)
+    whole = _losses(model, ctl, graph, opt, 2)
+    buf.seek(0)
+    saved = torch.load(buf)  # weights_only: the state is plain types
+    model2, ctl2, opt2 = run()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    ctl2.load_state_dict(saved["ctl"])
+    assert _losses(model2, ctl2, graph, opt2, 2) == whole
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert [h["probe"] for h in ctl2.budget.history] == [False, True, False]
+    assert ctl2.budget.plan_state.plan == ctl.budget.plan_state.plan
+    # plans made for another budget are not taken: that controller profiles anew, and says so
+    other = compress_gnn(_model(), memory_budget=budget // 2, budget_margin=0.3)
+    with pytest.warns(UserWarning, match="memory_budget"):
+        other.load_state_dict(saved["ctl"])
+    assert other.step == 1 and not other.budget.plans
+    bad = {**saved["ctl"], "budget": {**saved["ctl"]["budget"], "states": [{}]}}
+    with pytest.raises(ValueError, match="memory budget's state"):
+        ctl2.load_state_dict(bad)
+    assert ctl2.step == 3  # refused before anything changed
+    for c in (ctl, ctl2, other):
+        c.remove()
 
 
 def test_a_probe_armed_for_one_inputs_plan_is_closed_when_other_inputs_come(least):

@@ -172,6 +172,34 @@ def test_bits2_gradient_is_unbiased_when_saved_tensors_enter_backward_linearly()
     assert e_large < e_small / 2.2, (e_small, e_large)
 
 
+def test_forwards_accumulated_in_one_step_draw_independent_rounding():
+    """Gradient accumulation: forwards before one ``iterate()`` each draw their own rounding,
+    so the error of the accumulated mean shrinks as over as many steps (not the error of one
+    draw, repeated); the same seed gives the same accumulated gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 4))  # saved tensors enter linearly
+    x, target = torch.randn(256, 32), torch.randn(256, 4)
+
+    def loss():
+        return nn.functional.mse_loss(model(x), target)
+
+    ref = _grads(model, loss)
+
+    def accumulated(n):
+        with compress_gnn(model, bits=2, min_numel=0):
+            model.zero_grad(set_to_none=True)
+            for _ in range(n):
+                loss().backward()
+            return [p.grad / n for p in model.parameters()]
+
+    one, acc = accumulated(1), accumulated(8)
+    e_one = max(_rel_err(a, r) for a, r in zip(one, ref))
+    e_acc = max(_rel_err(a, r) for a, r in zip(acc, ref))
+    e_steps = _mean_grad_error(model, loss, ref, 8)  # independent draws: one per step
+    assert e_acc < e_one / 2 and e_acc < 1.5 * e_steps, (e_one, e_acc, e_steps)
+    assert all(torch.equal(a, b) for a, b in zip(acc, accumulated(8)))  # reproducible
+
+
 def test_bits2_quantized_relu_output_biases_the_gradient():
     """GACT's footnote 1: ReLU backward reads the sign of its saved *output*; quantizing it
     (without the 1-bit mask path) flips small positives to zero, a bias that averaging does
@@ -384,8 +412,11 @@ def test_custom_backward_under_enable_grad_reads_compressed_tensors():
         out.backward()
         return [p.grad.clone() for p in model.parameters()]
 
+    # each forward of a step rounds anew: the first forward of two controllers rounds alike
+    with compress_gnn(model, bits=8, adaptive=False, min_numel=0):
+        off = step(False)
     with compress_gnn(model, bits=8, adaptive=False, min_numel=0) as ctl:
-        off, on = step(False), step(True)
+        on = step(True)
         assert ctl.stats()["by_kind"]["activation"]["count"] == 1
         for a, b in zip(off, on):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

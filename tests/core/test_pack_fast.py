@@ -51,7 +51,13 @@ def _reference_store(ctl, name, t, cdata):
         return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
     if exceeds_fp32_range(t):
         return Stored(name, "activation", t, None, nbytes, nbytes, t._version)
-    seed = mix_seed(ctl.config.seed, ctl.step, len(ctl._records), ctl.seed_salt.get(name, 0))
+    seed = mix_seed(
+        ctl.config.seed,
+        ctl.step,
+        ctl._step_forwards,
+        len(ctl._records),
+        ctl.seed_salt.get(name, 0),
+    )
     q = quantize(t.detach(), bits, group_size=ctl.config.group_size, seed=seed)
     return Stored(name, "activation", q, bits, nbytes, q.nbytes)
 

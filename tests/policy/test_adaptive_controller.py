@@ -347,3 +347,24 @@ def test_a_forward_that_quantizes_nothing_is_not_probed_every_step(monkeypatch):
     hooked_steps.clear()
     _train(model, ctl, data, 4)
     assert hooked_steps[:2] == [0, 1] and ctl.plan
+
+
+def test_re_estimating_every_step_keeps_no_removed_hook_handle():
+    # each re-estimation arms a probe that registers a forward hook and removes it in its
+    # forward: the controller must not keep one dead handle per step (memory grew with steps)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    ctl = compress_gnn(model, bits=2, adaptive=True, adapt_interval=1, min_numel=0)
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = []
+    for _ in range(25):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ctl.iterate()
+        counts.append(len(ctl._handles))
+    assert ctl.adapter.n_estimates == 25  # a probe armed (and its hook removed) every step
+    assert max(counts) == counts[0]  # bounded: what the controller installs, plus one probe
+    assert all(h.id in h.hooks_dict_ref() for h in ctl._handles)  # every handle still hooked
+    ctl.remove()

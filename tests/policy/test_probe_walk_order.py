@@ -109,9 +109,11 @@ def _probe_adds(ctl, step, state) -> tuple[int, dict[str, float]]:
     """What a probed step holds beyond a plain one, counted, and its estimates (both steps
     from the random state ``state``: the same dropout)."""
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     with PeakBytes() as plain:
         step()
     torch.set_rng_state(state)
+    ctl._step_forwards = 0
     with PeakBytes() as probed:
         est = probe_sensitivity(ctl, step, seed=2)
     return probed.peak - plain.peak, est

@@ -229,6 +229,7 @@ def test_probing_leaves_the_training_gradient_unchanged():
     step()
     ref = _flat_grads(list(model.parameters()))
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     c = probe_sensitivity(ctl, step)
     assert c and all(math.isfinite(v) and v >= 0 for v in c.values())
     assert torch.equal(_flat_grads(list(model.parameters())), ref)
@@ -420,6 +421,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
     real_ranges = batchnorm.row_ranges
     monkeypatch.setattr(batchnorm, "row_ranges", lambda q: bn_chunks.append(1) or real_ranges(q))
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     got = probe_sensitivity(ctl, step, seed=5)
     assert made and any(lean_calls), (made, lean_calls)
     assert any(scratch_calls) and any(merged), (scratch_calls, merged)
@@ -432,6 +434,7 @@ def test_partial_backwards_run_lean_with_the_same_estimates(monkeypatch):
         sensitivity.SensitivityProbe, "_walk", lambda self, acc, e, g: self._grad_into(acc, e, g)
     )
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     dense = probe_sensitivity(ctl, step, seed=5)
     assert set(got) == set(dense) and len(got) >= 5
     for name in got:
@@ -560,6 +563,7 @@ def test_a_node_with_two_replayed_inputs_carries_the_first_before_the_second_rep
     monkeypatch.setattr(probe_cls, "_probe", probe)
     monkeypatch.setattr(probe_cls, "_propagate", propagate)
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     got = probe_sensitivity(ctl, step, seed=3)
     v2 = [i for i, e in enumerate(events) if e[0] == "replay" and "GatV2" in e[1]]
     assert len(v2) >= 4, events  # two inputs per attention layer, at least two layers
@@ -574,6 +578,7 @@ def test_a_node_with_two_replayed_inputs_carries_the_first_before_the_second_rep
     )
     monkeypatch.setattr(probe_cls, "_propagate", real_propagate)
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     deferred = probe_sensitivity(ctl, step, seed=3)
     assert set(got) == set(deferred) and len(got) >= 6
     for name in got:
@@ -604,11 +609,13 @@ def test_walk_runs_pass_through_nodes_inside_the_call_that_feeds_them(monkeypatc
 
     monkeypatch.setattr(SensitivityProbe, "_run_alone", run_alone)
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     got = probe_sensitivity(ctl, step, seed=3)
     merged = list(ran)
     ran.clear()
     monkeypatch.setattr(probe_walk, "passes_through", lambda fn: False)
     torch.set_rng_state(state)
+    ctl._step_forwards = 0  # and the rounding of the step's first forward
     alone = probe_sensitivity(ctl, step, seed=3)
     ctl.remove()
     assert set(got) == set(alone) and len(got) >= 6
