@@ -1,10 +1,11 @@
 """Fixtures shared by several test modules: the real Cora files, the copy-paste examples of
 docs/integrations.md, one torch thread for tests of tiny sparse ops, and the one process
-that runs the kernel test files under Triton's interpreter."""
+that runs the kernel test files under Triton's interpreter (started with the session)."""
 
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from tests.kernels.interpreted import InterpretedRuns
 # torch counts the machine's CPUs; a container or CI job granted fewer (affinity, cgroup quota)
 # oversubscribes and every OpenMP barrier waits: the suite ran 10-70x slower that way.
 torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
+
+#: the session's `InterpretedRuns`
+INTERPRETED_RUNS = pytest.StashKey[InterpretedRuns]()
 
 #: the examples the integration tests run
 INTEGRATIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
@@ -106,8 +110,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def pytest_collection_finish(session):
+    """The interpreted runs start as soon as the tests are known: one more process, which
+    runs beside the tests of this one until the first of them that needs it waits for it."""
+    if not session.config.option.collectonly:
+        runs = InterpretedRuns(session, Path(tempfile.mkdtemp(prefix="gact-interpreted-")))
+        session.config.stash[INTERPRETED_RUNS] = runs
+        runs.start()
+
+
+def pytest_sessionfinish(session):
+    runs = session.config.stash.get(INTERPRETED_RUNS, None)
+    if runs is not None:
+        runs.stop()
+        shutil.rmtree(runs.tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def interpreted_runs(request, tmp_path_factory):
+def interpreted_runs(request):
     """The test files that re-run under Triton's interpreter, all in one fresh process
-    (`tests.kernels.interpreted.interpreter_test`)."""
-    return InterpretedRuns(request.session, tmp_path_factory.mktemp("interpreted"))
+    (`tests.kernels.interpreted.interpreter_test`), started with the session."""
+    return request.config.stash[INTERPRETED_RUNS]

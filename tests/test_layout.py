@@ -6,6 +6,7 @@ Python happens to tolerate at import time still fails here."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+@functools.cache  # read once: every module's test looks it up
 def _graph() -> dict[str, set[str]]:
     return {m: {dep for dep, _ in _imports(p) if dep != m} for m, p in MODULES.items()}
 

@@ -1,14 +1,16 @@
 """What the Triton kernel tests share: where a kernel runs (CUDA, or the CPU under Triton's
 interpreter, which ``TRITON_INTERPRET=1`` switches on only if set before Triton is imported:
 the conftest's imports (PyG) import Triton first), the mark that skips a kernel test
-elsewhere, and the run of test files again in one fresh interpreter with that variable set
-(where it is set, the interpreter's repeated patching of ``triton.language`` is skipped)."""
+elsewhere, and the run of test files again in one fresh interpreter with that variable set,
+started when the session's tests are collected (where it is set, the interpreter's repeated
+patching of ``triton.language`` is skipped)."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,8 +145,9 @@ for case in cases:
 def interpreter_test(select: str = "not subprocess", **env: str):
     """The test that runs its file's tests that ``-k select`` picks under Triton's
     interpreter (``env`` set meanwhile), and asserts that all of them passed and none was
-    skipped. Every such test of a pytest session shares one fresh process
-    (`InterpretedRuns`); define it in a test file as ``test_interpreter_in_subprocess``."""
+    skipped. Every such test of a pytest session shares one fresh process (`InterpretedRuns`),
+    running from the session's start on; define it in a test file as
+    ``test_interpreter_in_subprocess``."""
 
     @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted / no Triton")
     @pytest.mark.interpreted_run(select=select, env=env)
@@ -155,11 +158,18 @@ def interpreter_test(select: str = "not subprocess", **env: str):
 
 
 class InterpretedRuns:
-    """The session's interpreted runs: at the first `check`, every selected test marked
-    ``interpreted_run`` has its file run in one fresh process with ``TRITON_INTERPRET=1``."""
+    """The session's interpreted runs: every selected test marked ``interpreted_run`` has its
+    file run in one fresh process with ``TRITON_INTERPRET=1``. `start` launches it when the
+    session's tests are collected, so it runs on another core beside the tests before the
+    first `check`, which waits for it."""
+
+    #: how long the whole run may take (seconds)
+    TIMEOUT = 1500
 
     def __init__(self, session: pytest.Session, tmp: Path):
-        self.session, self.out = session, tmp / "interpreted.json"
+        self.session, self.tmp, self.out = session, tmp, tmp / "interpreted.json"
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
         self.results: dict | None = None
         self.failure = ""
 
@@ -171,21 +181,42 @@ class InterpretedRuns:
                 cases.append(dict(file=str(item.path), **mark.kwargs))
         return cases
 
-    def _run(self, cases: list[dict]) -> None:
+    def start(self) -> None:
+        """Launch the run, once, where the session holds a case and this process can run it."""
+        cases = self._cases()
+        if self.proc is not None or not cases or INTERPRETED or not HAS_TRITON:
+            return
         cmd = [sys.executable, "-c", DRIVER, json.dumps(cases), str(self.out)]
-        res = subprocess.run(
-            cmd, env=subprocess_env(TRITON_INTERPRET="1"), cwd=REPO,
-            capture_output=True, text=True, timeout=1500,
-        )  # fmt: skip
+        # files, not pipes: a pipe nobody reads while the tests run would fill and stall it
+        with open(self.tmp / "stdout", "w") as out, open(self.tmp / "stderr", "w") as err:
+            self.proc = subprocess.Popen(
+                cmd, env=subprocess_env(TRITON_INTERPRET="1"), cwd=REPO, stdout=out, stderr=err,
+                text=True,
+            )  # fmt: skip
+        self.started = time.monotonic()
+
+    def stop(self) -> None:
+        """End a run still going (the session ended before a `check` waited for it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _wait(self) -> None:
+        try:
+            rc = self.proc.wait(timeout=max(1.0, self.TIMEOUT - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            rc = f"killed after {self.TIMEOUT} s"
         self.results = json.loads(self.out.read_text()) if self.out.exists() else {}
-        if res.returncode != 0:
-            self.failure = res.stdout[-4000:] + res.stderr[-4000:]
+        if rc != 0:
+            tails = ((self.tmp / name).read_text()[-4000:] for name in ("stdout", "stderr"))
+            self.failure = f"exit {rc}: " + "".join(tails)
 
     def check(self, item: pytest.Item) -> None:
         if self.results is None:
-            cases = self._cases()
-            assert str(item.path) in {c["file"] for c in cases}, item.nodeid
-            self._run(cases)
+            assert str(item.path) in {c["file"] for c in self._cases()}, item.nodeid
+            self.start()
+            self._wait()
         got = self.results.get(str(item.path))
         assert got is not None, f"{item.path} did not run: {self.failure}"
         assert got["rc"] == 0 and got["failed"] == 0, got["output"]
