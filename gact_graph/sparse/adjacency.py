@@ -280,6 +280,22 @@ class CompactAdjacency:
         pos = None if torch.equal(t_perm, _arange_like(t_perm)) else t_perm
         return t_rowptr, t_col, None if pos is None else pos.to(_index_dtype(pos.numel()))
 
+    def stock_form(self, kind: str) -> Any:
+        """This matrix as stock PyG caches a normalized graph: ``(edge_index, edge_weight)``
+        (``kind="edge_index"``), a torch.sparse CSR matrix (``"torch_sparse"``) or a
+        ``torch_sparse.SparseTensor`` (``"sparse_tensor"``); edges in CSR order."""
+        weight = self.weight
+        if kind == "edge_index":
+            return self.edge_index(), weight
+        if kind == "sparse_tensor":
+            return pyg_typing.SparseTensor(
+                rowptr=self.rowptr, col=self.col.long(), value=weight,
+                sparse_sizes=(self.num_nodes, self.num_nodes), is_sorted=True,
+            )  # fmt: skip
+        return torch.sparse_csr_tensor(
+            self.rowptr, self.col.long(), weight, (self.num_nodes, self.num_nodes)
+        )
+
     def to_torch_csr(self, values: Tensor | None = None, dtype: torch.dtype | None = None):
         """A `torch.sparse_csr_tensor` view for `torch.sparse.mm` (indices converted to one
         dtype, weights of ones when there are none): transient, O(N + E)."""
