@@ -19,8 +19,7 @@ outermost exits); other threads are not affected. Two of them live here:
 - **reading rows** (`reading_rows`, `is_reading_rows`): a Function that can read a compressed
   matrix a row range at a time wraps its ``ctx.saved_tensors`` in it, switched on by its
   class attribute ``reads_rows_every_step`` (the fused graph-attention Functions, whose
-  kernels read packed codes, and the BatchNorm; a matmul's backward reads so too), and the
-  controller's unpack hook then hands a compressed 2-D
+  kernels read packed codes), and the controller's unpack hook then hands a compressed 2-D
   activation back as a `~gact_graph.core.chunked.RowChunked` instead of a dequantized copy,
   in every step (`gact_graph.core.controller.Stored.unpack_rows`; with grad mode on it stays
   dense). Inside the sensitivity probe every Function with ``reads_row_chunks`` reads so.

@@ -9,10 +9,9 @@ the matmul backward computes with it (``mat1.t().mm(G)`` and ``G.t().mm(mat1)``,
 ``mm_mat2_backward``) are summed over row chunks (`chunked_tmm`), and any other operation gets
 the whole dequantized copy (correct, just not lean). The sensitivity probe hands it to the
 matmul nodes of its partial backwards (`gact_graph.policy.sensitivity`), where that copy would
-be the largest single transient of a probed step on GAT. In every step the controller's
-unpack hook hands it to a matmul's backward and to the Functions that set
-``reads_rows_every_step`` (the fused graph attention, whose kernels read packed codes, and the
-BatchNorm), inside their `gact_graph.switches.reading_rows`
+be the largest single transient of a probed step on GAT. The fused graph-attention Functions
+(``reads_rows_every_step``), whose kernels read packed codes, get it in every step too: the
+controller's unpack hook hands it inside their `gact_graph.switches.reading_rows`
 (`gact_graph.core.controller.Stored.unpack_rows`).
 """
 

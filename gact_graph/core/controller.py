@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gact_graph import switches
 from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
@@ -127,17 +126,15 @@ class Stored:
 
     def unpack_rows(self) -> torch.Tensor:
         """`unpack`, except that a compressed 2-D activation is handed back as a `RowChunked`
-        (no dequantized copy) with grad mode off where its reader takes it a row range at a
-        time: a Function that sets ``reads_rows_every_step`` (inside its `reading_rows`), and
-        a matmul's backward, whose weight gradient ``mat1^T G`` sums over rows (anything else
-        it does with the tensor reads the dense copy, correct and no leaner)."""
+        (no dequantized copy) inside a backward's `reading_rows` with grad mode off: what a
+        Function that sets ``reads_rows_every_step`` reads a row range at a time."""
         p = self.payload
         if (
             isinstance(p, QTensor)
+            and is_reading_rows()
             and self.kind == "activation"
             and len(p.shape) == 2
             and not torch.is_grad_enabled()
-            and (is_reading_rows() or _in_matmul_backward())
         ):
             return RowChunked(p)
         return self.unpack()
@@ -153,17 +150,6 @@ class Stored:
             "stored_bytes": self.stored_bytes,
             "uses": 1,
         }
-
-
-_MATMUL_NODES = frozenset({"MmBackward0", "AddmmBackward0"})
-
-
-def _in_matmul_backward() -> bool:
-    """Whether this thread runs a matmul node's backward (with `ROWS_IN_EVERY_STEP` on)."""
-    if not switches.ROWS_IN_EVERY_STEP:
-        return False
-    node = torch._C._current_autograd_node()
-    return type(node).__name__ in _MATMUL_NODES
 
 
 class Controller:

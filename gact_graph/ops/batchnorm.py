@@ -56,14 +56,15 @@ class BatchNormFunction(torch.autograd.Function):
     """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, ...)``
     saving :math:`\\hat x`, the per-channel ``invstd`` and the weight.
 
-    A compressed 2-D :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk
-    at a time, in every step (``reads_rows_every_step``) and inside the sensitivity probe's
-    partial backwards (`reads_row_chunks`): a whole dequantized copy would be one more
-    input-sized tensor beside the incoming gradient and the one this backward makes, the
-    peak of a GCN + BatchNorm step's backward."""
+    Inside the sensitivity probe's partial backwards (`reads_row_chunks`) a compressed 2-D
+    :math:`\\hat x` arrives as a `RowChunked` and is dequantized a row chunk at a time: the
+    probe replays this backward on top of the user's, and a whole dequantized copy would add
+    one input-sized tensor to the probed step's peak (GCN + BatchNorm). A plain step's backward
+    is handed the dense copy (``reads_rows_every_step`` off): reading in chunks costs CPU time
+    that one input-sized copy does not repay there."""
 
     reads_row_chunks = True
-    reads_rows_every_step = True
+    reads_rows_every_step = False
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, momentum, eps):
