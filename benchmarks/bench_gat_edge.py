@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_geometric.utils import scatter, softmax  # noqa: E402
 
-from gact_graph.kernels import gat_edge, triton_available  # noqa: E402
+from gact_graph.kernels import gat_rows, triton_available  # noqa: E402
 from gact_graph.sparse import gat as sgat  # noqa: E402
 from gact_graph.sparse import gat_fused as sfused  # noqa: E402
 from gact_graph.sparse import gatv2 as sgatv2  # noqa: E402
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     a_dst = torch.randn(n, h, generator=g).to(device).requires_grad_()
     grad_out = torch.randn(n, h, c, generator=g).to(device, torch.promote_types(dtype, a_src.dtype))
     leaves = [x, a_src, a_dst]
-    transpose = gat_edge.csr_transpose(rowptr, col, n)
+    transpose = gat_rows.csr_transpose(rowptr, col, n)
     slope, p = 0.2, args.dropout
 
     def step(forward):

@@ -105,6 +105,7 @@ def _tracing_meter(base, min_bytes: int, snapshots: list):
     """`PeakBytes` that also keeps, for every new storage of at least ``min_bytes``, the op,
     shape and frames that made it, and appends to ``snapshots`` the live ones at each new
     peak (``(peak bytes, where, [(bytes, op, shape, frames)])``, the last one the step's)."""
+
     def frames(skip: int) -> str:
         keep = ("gact_graph", "benchmarks", "autograd")
         stack = [f for f in traceback.extract_stack()[:-skip] if any(k in f.filename for k in keep)]
@@ -300,7 +301,7 @@ def edge_stage_peak(model_name: str, reads: str, args) -> dict:
     units of one N x H x C fp32 tensor, with the number of new tensors of at least one unit."""
     from gact_graph.core.chunked import RowChunked
     from gact_graph.core.quantize import quantize
-    from gact_graph.kernels import gat_edge
+    from gact_graph.kernels import gat_rows
 
     torch.manual_seed(0)
     n, heads, channels = args.nodes, args.heads, args.hidden
@@ -310,7 +311,7 @@ def edge_stage_peak(model_name: str, reads: str, args) -> dict:
     col = ei[0, order].to(torch.int32)
     rowptr = torch.zeros(n + 1, dtype=torch.long)
     rowptr[1:] = torch.bincount(ei[1], minlength=n).cumsum(0)
-    transpose = gat_edge.csr_transpose(rowptr, col, n)
+    transpose = gat_rows.csr_transpose(rowptr, col, n)
     shape = (n * heads, channels)
     x = torch.randn(n, heads, channels, requires_grad=True)
     x_r = torch.randn(n, heads, channels, requires_grad=True)
@@ -354,19 +355,36 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=3, help="the preset's heads (for the unit)")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="steps 0 and 1 are probed")
-    ap.add_argument("--edge-kernel", default="auto", choices=["auto", "triton", "chunked"],
-                    help="sparse.gat_fused.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)")
-    ap.add_argument("--kernel-reads", default="codes", choices=["codes", "dequantized"],
-                    help="what the fused kernels' backward reads of a compressed input inside "
-                    "the probe: its packed codes, or a dequantized copy")
-    ap.add_argument("--edge-stage", action="store_true",
-                    help="CPU: one fused edge stage's backward alone (edge_stage_peak)")
+    ap.add_argument(
+        "--edge-kernel",
+        default="auto",
+        choices=["auto", "triton", "chunked"],
+        help="sparse.gat_fused.EDGE_KERNEL (triton on CPU: under TRITON_INTERPRET=1)",
+    )
+    ap.add_argument(
+        "--kernel-reads",
+        default="codes",
+        choices=["codes", "dequantized"],
+        help="what the fused kernels' backward reads of a compressed input inside "
+        "the probe: its packed codes, or a dequantized copy",
+    )
+    ap.add_argument(
+        "--edge-stage",
+        action="store_true",
+        help="CPU: one fused edge stage's backward alone (edge_stage_peak)",
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip-dataless", action="store_true",
-                    help="CPU: do not count tensor subclasses without data (RowChunked), which "
-                    "the planner's meter counts at their full size")
-    ap.add_argument("--trace", action="store_true",
-                    help="CPU: print the tensors alive at each step's peak and what made them")
+    ap.add_argument(
+        "--skip-dataless",
+        action="store_true",
+        help="CPU: do not count tensor subclasses without data (RowChunked), which "
+        "the planner's meter counts at their full size",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="CPU: print the tensors alive at each step's peak and what made them",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from difflib import get_close_matches as close
 from typing import Any
@@ -67,6 +69,47 @@ EXTRA_OPTIONS = {
     "default: in a second profile step, only when no plan without it fits; True: in the first; "
     "False: never)",
 }
+#: The numeric options of ``EXTRA_OPTIONS``: (int only, whether a value is in range, what is
+#: allowed, in words). NaN is in no range.
+_NUMERIC_OPTIONS: dict[str, tuple[bool, Callable[[float], bool], str]] = {
+    "max_graphs": (True, lambda v: v >= 0, "an int >= 0 (graphs)"),
+    "min_bytes": (True, lambda v: v >= 0, "an int >= 0 (bytes)"),
+    "chunk_bytes": (True, lambda v: v >= 1, "a positive int (bytes)"),
+    "swap_min_bytes": (True, lambda v: v >= 0, "an int >= 0 (bytes)"),
+    "max_interval": (True, lambda v: v >= 1, "a positive int (steps)"),
+    "max_shares": (True, lambda v: v >= 1, "a positive int (steps)"),
+    "ema": (False, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "alert_share": (False, lambda v: 0 < v <= 1, "a number in (0, 1] (1: never warns)"),
+    "hysteresis": (False, lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "budget_margin": (False, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+}
+#: The options of ``EXTRA_OPTIONS`` that take one of a few values.
+_CHOICE_OPTIONS: dict[str, tuple] = {
+    "estimator": ("probe", "two_seed"),
+    "budget_rectify": ("auto", True, False),
+    "budget_recompute": ("auto", True, False),
+    "swap_simulate": (True, False),
+}
+
+
+def _option_error(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for the advanced option ``name`` (None: nothing)."""
+    if name in _NUMERIC_OPTIONS:
+        integer, in_range, allowed = _NUMERIC_OPTIONS[name]
+        kind = numbers.Integral if integer else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind) or not in_range(value):
+            return f"{name} must be {allowed}, got {value!r}"
+    elif name in _CHOICE_OPTIONS:
+        choices = _CHOICE_OPTIONS[name]
+        if not any(value is c or (isinstance(c, str) and value == c) for c in choices):
+            return f"{name} must be one of {choices}, got {value!r}"
+    elif name == "ladder":
+        bits = list(value) if isinstance(value, (list, tuple)) else None
+        if not bits or any(isinstance(b, bool) or b not in PLAN_BITS for b in bits):
+            return f"ladder must be a non-empty list of bit widths from {PLAN_BITS}, got {value!r}"
+    return None
+
+
 #: What ``on_divergence`` may say (`gact_graph.policy.watch`).
 ON_DIVERGENCE = ("rescue", "warn", "raise")
 #: What ``graph_check`` may say (`gact_graph.sparse.adjacency`).
@@ -203,6 +246,10 @@ class CompressionConfig:
                 f"compress_gnn() got unexpected keyword argument(s) {said}; the options are "
                 f"the named arguments and {sorted(EXTRA_OPTIONS)}"
             )
+        for name, value in self.extra.items():
+            problem = _option_error(name, value)
+            if problem is not None:
+                raise ValueError(problem)
         action = self.extra.get("on_divergence", "rescue")
         if not isinstance(action, str) or action not in ON_DIVERGENCE:
             raise ValueError(f"on_divergence must be one of {ON_DIVERGENCE}, got {action!r}")
@@ -228,14 +275,22 @@ class CompressionConfig:
                 self.bits = int(self.bits)
         if not isinstance(self.group_size, int) or self.group_size < 8 or self.group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8, got {self.group_size}")
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(f"min_numel must be a non-negative int, got {self.min_numel}")
+        if (
+            isinstance(self.min_numel, bool)
+            or not isinstance(self.min_numel, int)
+            or self.min_numel < 0
+        ):
+            raise ValueError(f"min_numel must be a non-negative int, got {self.min_numel!r}")
         if self.opt_level not in OPT_LEVELS:
             raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {self.opt_level!r}")
         if self.adapt_interval is not None and (
-            not isinstance(self.adapt_interval, int) or self.adapt_interval < 1
+            isinstance(self.adapt_interval, bool)
+            or not isinstance(self.adapt_interval, int)
+            or self.adapt_interval < 1
         ):
-            raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval}")
+            raise ValueError(
+                f"adapt_interval must be a positive int or None, got {self.adapt_interval!r}"
+            )
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)  # raises, naming the problem
         self._check_policy()

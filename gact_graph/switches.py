@@ -31,7 +31,9 @@ outermost exits); other threads are not affected. Two of them live here:
   such a mode taken off the mode stack, and put back when it returns: the mode never rewrites
   what the package calls, so only the Python calls go. A mode says it may be stepped past with
   the class attribute `PACKAGE_MODE_ATTR`; any other mode (the user's own, a profiler's) stays
-  where it is, and tensor subclasses keep their ``__torch_function__``.
+  where it is, and tensor subclasses keep their ``__torch_function__``. Work that Dynamo must
+  not trace (it would build a `StorageWeakRef` itself and drop it half made) is wrapped in
+  `eager_when_compiling`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 
 __all__ = [
     "ThreadSwitch",
+    "eager_when_compiling",
     "is_lean",
     "is_once_per_graph",
     "is_reading_rows",
@@ -190,5 +193,24 @@ def package_work(fn: F) -> F:
             return fn(*args, **kwargs)
         finally:
             _stack_push(mode)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def eager_when_compiling(fn: F) -> F:
+    """``fn``, run out of Dynamo's trace (eagerly, on the real tensors) when it is called while
+    ``torch.compile`` traces, and as itself otherwise. The disabled copy is made at the first
+    compiled call: ``torch.compiler.disable`` imports Dynamo (and, through it, Triton), which
+    importing this package must not."""
+    eager = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal eager
+        if not _compiling():
+            return fn(*args, **kwargs)
+        if eager is None:
+            eager = torch.compiler.disable(fn)
+        return eager(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -57,3 +57,59 @@ def test_on_divergence_is_an_option():
     ctl = compress_gnn(_model(), bits=2, on_divergence="warn")
     assert ctl.watch.action == "warn" and "on_divergence" in EXTRA_OPTIONS
     ctl.remove()
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("chunk_bytes", "1MB"),
+        ("chunk_bytes", 0),
+        ("max_interval", -3),
+        ("max_graphs", -1),
+        ("max_graphs", 2.5),
+        ("hysteresis", -1),
+        ("hysteresis", float("nan")),
+        ("alert_share", -1),
+        ("alert_share", 0),
+        ("ema", 1),
+        ("budget_margin", -0.1),
+        ("swap_min_bytes", -1),
+        ("max_shares", True),
+        ("min_bytes", -1),
+        ("ladder", [3]),
+        ("ladder", []),
+        ("estimator", "three_seed"),
+        ("budget_rectify", "yes"),
+        ("swap_simulate", "yes"),
+        ("min_numel", True),
+        ("adapt_interval", True),
+    ],
+)
+def test_bad_option_values_raise_where_given_naming_option_and_value(name, value):
+    """Each option's value is checked when the config is made, not where a layer first reads
+    it (``chunk_bytes="1MB"`` failed at the first forward with a bare ``int()`` error; a
+    negative ``max_interval`` or ``hysteresis`` was taken silently)."""
+    with pytest.raises(ValueError, match=name) as got:
+        CompressionConfig(**({"extra": {name: value}} if name in EXTRA_OPTIONS else {name: value}))
+    assert repr(value) in str(got.value)
+    model = _model()
+    with pytest.raises(ValueError, match=name):
+        compress_gnn(model, **{name: value})
+    assert not hasattr(model, "_gact_graph_controller")
+
+
+def test_good_option_values_pass():
+    import numpy as np
+
+    CompressionConfig(
+        extra={
+            "chunk_bytes": np.int64(1 << 20),
+            "max_graphs": 0,
+            "alert_share": 1,
+            "ema": 0.0,
+            "hysteresis": 0,
+            "ladder": (2, 4, 8, 32),
+            "budget_rectify": False,
+            "swap_simulate": True,
+        }
+    )

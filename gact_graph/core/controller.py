@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
@@ -76,6 +77,19 @@ def mix_seed(*parts: int) -> int:
     return h & 0x7FFFFFFF
 
 
+def _builds_graph() -> bool:
+    """Whether a saved tensor unpacked now may be differentiated again. The engine runs a
+    ``create_graph=True`` backward in grad mode; a custom Function's backward may turn grad
+    mode on itself (``torch.enable_grad()``) in a plain backward, which only the graph task
+    tells apart: a create_graph backward retains its graph unless told not to. Outside any
+    backward (``grad_fn._saved_*`` read from Python) grad mode decides."""
+    if not torch.is_grad_enabled():
+        return False
+    if isinstance(torch._C._current_autograd_node(), BackwardCFunction):
+        return torch._C._autograd._get_current_graph_task_keep_graph()
+    return True
+
+
 class Stored:
     """What autograd holds instead of a saved tensor.
 
@@ -115,10 +129,13 @@ class Stored:
                     f"{self.ref_version} -> {p._version}); gradients would be wrong"
                 )
             return p
-        if torch.is_grad_enabled() and self.bits is not None:
+        if self.bits is not None and _builds_graph():
             raise RuntimeError(
                 f"gact_graph: '{self.name}' is stored compressed and carries no graph; "
                 + DOUBLE_BACKWARD_HELP
+                + ". A custom autograd.Function whose backward reads ctx.saved_tensors under "
+                "torch.enable_grad() with retain_graph=True looks the same: read them before "
+                "enabling grad"
             )
         if isinstance(p, QTensor):
             return p.dequantize()
@@ -224,11 +241,6 @@ class Controller:
         self._live: list[weakref.ref] = []
         self._removed = False
         self._warned_range: set[str] = set()
-        min_bytes = self.config.extra.get("min_bytes")
-        if min_bytes is not None and (
-            isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
-        ):
-            raise ValueError(f"min_bytes must be a non-negative int (bytes), got {min_bytes!r}")
 
         if self.config.opt_level != "L0":
             self._install()
@@ -412,6 +424,9 @@ class Controller:
         if depth:  # re-entrant call of the root inside its own forward: the outer one holds
             return None
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so install nothing
+            return None
+        if torch.jit.is_tracing() or torch._C._functorch.maybe_current_level() is not None:
+            # a trace records stock's computation; torch.func's wrapped tensors have no storage
             return None
         with self._lock:
             if self._compressing_threads:

@@ -10,13 +10,14 @@ never be mistaken for an alias.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from gact_graph.switches import eager_when_compiling
 
 __all__ = [
     "KINDS",
@@ -56,26 +57,9 @@ def is_plain_strided(t: torch.Tensor) -> bool:
     )
 
 
+@eager_when_compiling  # Dynamo would build the reference itself and drop it half made
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:
-    if torch.compiler.is_compiling():
-        # Dynamo tracing a hook would build the StorageWeakRef itself and drop it half made
-        # (its __del__ then prints "Exception ignored ... _free_weak_ref" for every tensor):
-        # the reference is made eagerly, outside the trace, on the real storage.
-        return _eager_storage_ref()(t)
     return StorageWeakRef(t.untyped_storage())
-
-
-@functools.cache
-def _eager_storage_ref():
-    """`StorageWeakRef` of a tensor's storage, out of Dynamo's trace; made at the first compiled
-    call, since ``torch.compiler.disable`` imports Dynamo (and, through it, Triton), which
-    importing this package must not."""
-
-    @torch.compiler.disable
-    def eager(t: torch.Tensor) -> StorageWeakRef:
-        return StorageWeakRef(t.untyped_storage())
-
-    return eager
 
 
 def view_key(t: torch.Tensor, ref: StorageWeakRef) -> ViewKey:

@@ -11,6 +11,7 @@ from gact_graph.datasets.info import DATASETS, DatasetInfo, dataset_info
 from gact_graph.datasets.preprocess import (
     DatasetNotFoundError,
     ProcessedDataError,
+    RawDataError,
     gcn_normalized_adjacency,
     normalized_adjacency,
     undirected_coalesced,
@@ -29,6 +30,7 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "ProcessedDataError",
+    "RawDataError",
     "accuracy",
     "available_datasets",
     "dataset_info",

@@ -20,10 +20,16 @@ import pickle
 
 from torch_geometric.data import Data
 from torch_geometric.datasets import Planetoid
+from torch_geometric.io.planetoid import read_file
 
 from gact_graph.datasets.info import dataset_info
 from gact_graph.datasets.lock import dataset_lock
-from gact_graph.datasets.preprocess import ProcessedDataError, finalize, require_files
+from gact_graph.datasets.preprocess import (
+    ProcessedDataError,
+    RawDataError,
+    finalize,
+    require_files,
+)
 
 __all__ = ["load_planetoid", "PLANETOID_NAMES", "PROCESSED_FOLDER", "planetoid_raw_files"]
 
@@ -43,8 +49,25 @@ _FOREIGN_FILE_ERRORS = (
 
 class _Planetoid(Planetoid):
     """PyG's ``Planetoid`` with its processed files in ``<root>/<Name>/processed_gact_graph``,
-    and a clear error instead of PyG's bare ``AssertionError`` when that folder holds a file
-    PyG did not write."""
+    and clear errors instead of PyG's bare ones when that folder holds a file PyG did not
+    write (``AssertionError``) or a raw file cannot be read (``UnpicklingError`` of a
+    truncated download, naming no file)."""
+
+    def process(self) -> None:
+        try:
+            super().process()
+        except Exception as err:
+            for part in _PARTS:  # which file: PyG's error does not say
+                name = f"ind.{self.name.lower()}.{part}"
+                try:
+                    read_file(self.raw_dir, self.name, part)
+                except Exception as bad:
+                    raise RawDataError(
+                        f"{self.name}: the raw file {osp.join(self.raw_dir, name)!r} cannot be "
+                        f"read ({type(bad).__name__}: {bad}): a truncated or corrupt copy. "
+                        f"Replace it with a fresh one from {_SOURCE}/{name}"
+                    ) from err
+            raise
 
     @property
     def processed_dir(self) -> str:
@@ -76,6 +99,7 @@ def load_planetoid(name: str, root: str, normalize_features: bool = True) -> Dat
     Raises:
         DatasetNotFoundError: a required file is missing (nothing is downloaded).
         ProcessedDataError: the cached processed file was not written by PyG's ``Planetoid``.
+        RawDataError: a raw file cannot be read (truncated or corrupt); the message names it.
     """
     info = dataset_info(name)
     pyg_name = PLANETOID_NAMES[info.name]

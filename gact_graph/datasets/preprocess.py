@@ -15,6 +15,7 @@ from torch_geometric.data import Data
 __all__ = [
     "DatasetNotFoundError",
     "ProcessedDataError",
+    "RawDataError",
     "default_root",
     "require_files",
     "undirected_coalesced",
@@ -35,6 +36,11 @@ class DatasetNotFoundError(FileNotFoundError):
 class ProcessedDataError(RuntimeError):
     """A cached processed file cannot be read as the loader's own (another tool or version
     wrote it). The message names the folder to delete; it is rebuilt from the raw files."""
+
+
+class RawDataError(RuntimeError):
+    """A real dataset's raw file is on disk but cannot be read (a truncated or corrupt copy).
+    The message names the file and where to get it again."""
 
 
 def default_root() -> str:

@@ -13,6 +13,7 @@ arxiv-sized graph builds in seconds and products/Reddit-sized graphs need a few 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -83,8 +84,14 @@ def make_synthetic_graph(
         seed: the graph is a deterministic function of the arguments and this seed.
         chunk_size: edges generated per chunk (bounds temporary memory).
     """
-    if num_nodes < 2 or num_classes < 1:
-        raise ValueError("need at least 2 nodes and 1 class")
+    for arg, value, least in (
+        ("num_nodes", num_nodes, 2),
+        ("num_edges", num_edges, 0),
+        ("num_features", num_features, 1),
+        ("num_classes", num_classes, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name}: {arg} must be an int >= {least}, got {value!r}")
     if not 0.0 <= homophily <= 1.0:
         raise ValueError(f"homophily must be in [0, 1], got {homophily}")
     g = torch.Generator().manual_seed(seed)
@@ -120,6 +127,12 @@ def make_synthetic_graph(
 
     data = Data(x=x, edge_index=edge_index, y=y, num_nodes=n)
     train, val, test = _split(group, num_groups, split, g)
+    empty = [part for part, idx in (("train", train), ("val", val), ("test", test)) if not len(idx)]
+    if empty:
+        raise ValueError(
+            f"{name} with {n} nodes leaves no {' / '.join(empty)} nodes under its split "
+            f"{split}; give it more nodes (num_nodes, or a larger scale)"
+        )
     data.train_mask = index_to_mask(train, n)
     data.val_mask = index_to_mask(val, n)
     data.test_mask = index_to_mask(test, n)
@@ -257,7 +270,18 @@ def load_synthetic(
     """
     info = synthetic_info(name)
     if num_nodes is None:
-        num_nodes = max(2, round(info.num_nodes * scale))
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, numbers.Real)
+            or not 0 < scale < math.inf
+        ):
+            raise ValueError(f"{name}: scale must be a finite number > 0, got {scale!r}")
+        num_nodes = round(info.num_nodes * scale)
+        if num_nodes < 2:
+            raise ValueError(
+                f"{name}: scale={scale!r} gives {num_nodes} of its {info.num_nodes} nodes; a "
+                "graph needs at least 2"
+            )
     if num_edges is None:
         num_edges = max(1, round(info.num_edges * num_nodes / info.num_nodes))
     params = dict(

@@ -16,11 +16,11 @@ wrapper calls ``model(graph)``), so nothing of CogDL is forked:
 
 - ``compress_gnn`` compresses the wrapped model's forward (saved-tensor hooks, pointwise ops,
   bits plan), as for any model;
-- CogDL's ``spmm(graph, x)`` is routed, during a compressed forward only, through
-  `gact_graph.sparse.spmm` on a `CompactAdjacency` made from the graph's CSR (``row_indptr``,
-  ``col_indices``, raw weights, with CogDL's ``out_norm``/``in_norm`` scaling as its fused
-  kernel applies them). CogDL's own CUDA SpMM keeps ``rowptr``, ``colind`` (int32 copies made
-  per call), the weights and, with learnable weights, the input features as ``ctx``
+- CogDL's ``spmm(graph, x)`` over constant edge weights is routed, during a compressed
+  forward only, through `gact_graph.sparse.spmm` on a `CompactAdjacency` made from the
+  graph's CSR (``row_indptr``, ``col_indices``, raw weights, with CogDL's
+  ``out_norm``/``in_norm`` scaling as its fused kernel applies them). CogDL's own CUDA SpMM
+  keeps ``rowptr``, ``colind`` (int32 copies made per call) and the weights as ``ctx``
   attributes that saved-tensor hooks never see; its CPU training path gathers through
   ``index_select``/``scatter_add`` and saves the edge indices of every layer. Ours saves the
   shared adjacency once (lossless, counted once) and nothing node-level;
@@ -29,10 +29,11 @@ wrapper calls ``model(graph)``), so nothing of CogDL is forked:
 - ``copy.deepcopy`` (CogDL's trainer snapshots the best model) returns a plain copy of the
   wrapped model without hooks, and keeps compressing the original.
 
-What stays outside (measured in ``tests/test_integrations_cogdl.py``): CogDL's multi-head
-SpMM and edge softmax (GAT) are not routed; on CPU they are stock autograd ops the hooks see
-and compress generically, on CUDA their fused kernels keep their inputs as ``ctx``
-attributes, uncompressed.
+What stays CogDL's (``tests/integrations/test_integrations_cogdl.py``): ``spmm`` calls whose
+edge weights require grad (GAT's edge softmax and per-head SpMM, which set the learnable
+attention as ``graph.edge_weight``); on CPU they are autograd ops the hooks see and compress
+generically. On CUDA CogDL's edge softmax, multi-head SpMM and fused GAT kernels never call
+``spmm`` and keep their inputs as ``ctx`` attributes, uncompressed.
 """
 
 from __future__ import annotations
@@ -151,9 +152,16 @@ def _adjacency(ctl: Controller, graph) -> CompactAdjacency:
 
 def routed_spmm(graph, x, *args, **kwargs):
     """CogDL's ``spmm(graph, x)``: through `gact_graph.sparse.spmm` during a compressed forward
-    (grad enabled), CogDL's own otherwise."""
+    (grad enabled) over constant edge weights, CogDL's own otherwise. Learnable weights (GAT's
+    attention) stay CogDL's so that values and gradients are its own: on CPU CogDL computes
+    the edge softmax's denominator with a compiled kernel that passes it no gradient, and it
+    reorders a graph's edges into CSR order only on some of its paths, where the attention
+    it computed follows the order before."""
     ctl = _ROUTER.active()
     if ctl is None or not torch.is_grad_enabled() or getattr(graph, "grb_adj", None) is not None:
+        return _ORIGINAL_SPMM(graph, x, *args, **kwargs)
+    if graph.raw_edge_weight.requires_grad:
+        ctl.module_paths["cogdl.spmm (learnable edge weights)"] = "generic (CogDL's own)"
         return _ORIGINAL_SPMM(graph, x, *args, **kwargs)
     adj = _adjacency(ctl, graph)
     out_norm, in_norm = graph.out_norm, graph.in_norm

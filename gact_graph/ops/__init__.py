@@ -2,8 +2,9 @@
 
 - `gact_graph.ops.masks`: ReLU, LeakyReLU, Hardtanh/ReLU6, scalar ``clamp`` save a 1-bit mask.
 - `gact_graph.ops.dropout`: dropout saves the RNG state and regenerates its mask in backward.
-- `gact_graph.ops.inverted`: ELU, GELU, SiLU save their output plus a 1-bit branch indicator
-  (the output is usually saved by the next layer anyway, and stored once).
+- `gact_graph.ops.inverted`: ELU, GELU, SiLU save their derivative instead of their input (a
+  backward linear in what it keeps: unbiased when that is rounded); in-place ELU saves its
+  output plus a 1-bit branch indicator.
 - `gact_graph.ops.batchnorm`: training-mode BatchNorm saves its normalized input instead of its
   raw input (same bytes; its rounding error is not amplified by small channel spreads, as the raw
   input's is).
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from gact_graph.ops.dropout import DropoutFunction
-from gact_graph.ops.inverted import EluFunction, InvertedFunction, measure_error
+from gact_graph.ops.inverted import DerivativeFunction, EluFunction
 from gact_graph.ops.masks import (
     ClampMaskFunction,
     HardtanhMaskFunction,
@@ -45,9 +46,8 @@ __all__ = [
     "HardtanhMaskFunction",
     "ClampMaskFunction",
     "DropoutFunction",
+    "DerivativeFunction",
     "EluFunction",
-    "InvertedFunction",
-    "measure_error",
 ]
 
 #: modules whose forward is one of the intercepted ops (shown as path "pointwise" in reports).

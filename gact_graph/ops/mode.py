@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from gact_graph.ops.batchnorm import batch_norm
 from gact_graph.ops.dropout import DropoutFunction
-from gact_graph.ops.inverted import TABLE_DTYPES, EluFunction, InvertedFunction
+from gact_graph.ops.inverted import DerivativeFunction, EluFunction
 from gact_graph.ops.masks import (
     ClampMaskFunction,
     HardtanhMaskFunction,
@@ -173,7 +173,7 @@ def _dropout(functional: bool, inplace_fixed: bool) -> Handler:
     return handler
 
 
-# ---------------------------------------------------------------------------- inverted
+# ---------------------------------------------------------------------------- activations
 def _elu(functional: bool, inplace_fixed: bool) -> Handler:
     def handler(args, kwargs):
         x = _input(args, kwargs)
@@ -191,30 +191,30 @@ def _elu(functional: bool, inplace_fixed: bool) -> Handler:
             inplace = inplace_fixed
         if not _is_number(alpha):
             return NotImplemented
-        return EluFunction.apply(x, float(alpha), inplace)
+        if inplace:
+            return EluFunction.apply(x, float(alpha))
+        return DerivativeFunction.apply(x, "elu", float(alpha), False)
 
     return handler
 
 
 def _gelu(args, kwargs):
     x = _input(args, kwargs)
-    if not _wants_grad(x, kwargs) or x.dtype not in TABLE_DTYPES:
+    if not _wants_grad(x, kwargs):
         return NotImplemented
     approximate = _arg(args, kwargs, 1, "approximate", "none")
-    if approximate == "none":
-        return InvertedFunction.apply(x, "gelu", approximate, False)
-    if approximate == "tanh":
-        return InvertedFunction.apply(x, "gelu_tanh", approximate, False)
-    return NotImplemented
+    if approximate not in ("none", "tanh"):
+        return NotImplemented  # PyTorch raises its own error
+    return DerivativeFunction.apply(x, "gelu", approximate, False)
 
 
 def _silu(functional: bool, inplace_fixed: bool) -> Handler:
     def handler(args, kwargs):
         x = _input(args, kwargs)
-        if not _wants_grad(x, kwargs) or x.dtype not in TABLE_DTYPES:
+        if not _wants_grad(x, kwargs):
             return NotImplemented
         inplace = bool(_arg(args, kwargs, 1, "inplace", False)) if functional else inplace_fixed
-        return InvertedFunction.apply(x, "silu", "none", inplace)
+        return DerivativeFunction.apply(x, "silu", None, inplace)
 
     return handler
 
@@ -284,7 +284,7 @@ def _inside_torch_checkpoint() -> bool:
 
 
 class PointwiseMode(TorchFunctionMode):
-    """Routes the ops in `HANDLERS` to mask-saving / regenerating / inverted Functions.
+    """Routes the ops in `HANDLERS` to mask-saving / regenerating / derivative-keeping Functions.
 
     ``counts`` (op name -> calls intercepted) shows what the mode did in its last use.
     """

@@ -21,6 +21,7 @@ keeps a graph alive forever.
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 import weakref
 from typing import Any
@@ -31,7 +32,8 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gact_graph.kernels import force_triton, triton_available
-from gact_graph.switches import once_per_graph, package_work
+from gact_graph.sparse.torch_notices import quiet_sparse_notices, sparse_csr_tensor
+from gact_graph.switches import eager_when_compiling, once_per_graph, package_work
 
 __all__ = [
     "CompactAdjacency",
@@ -58,9 +60,6 @@ def _hash_chunk(device: torch.device) -> int:
     return 1 << 16 if device.type == "cpu" else 1 << 20
 
 
-# torch warns once per process that CSR support is "in beta" when we build the transient CSR
-# view of an adjacency; it says nothing to our users, so that one message is silenced.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 _INT32_MAX = 2**31 - 1
 
 
@@ -351,9 +350,7 @@ class CompactAdjacency:
             crow = self.rowptr.to(torch.int32)
         else:
             crow, col = self.rowptr, col.long()
-        return torch.sparse_csr_tensor(
-            crow, col, values, (self.num_nodes, self.num_nodes), check_invariants=False
-        )
+        return sparse_csr_tensor(crow, col, values, (self.num_nodes, self.num_nodes))
 
 
 def _ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -582,6 +579,11 @@ def _cache_of(ctl) -> AdjacencyCache:
     return cache
 
 
+@eager_when_compiling  # Dynamo would build the reference itself and drop it half made
+def _storage_ref(t: Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
 def _identity_key(
     t: Tensor | None,
 ) -> tuple[tuple, list[StorageWeakRef], list[Tensor]] | None:
@@ -614,7 +616,7 @@ def _identity_key(
     t = _plain(t)
     if t.layout != torch.strided or t.device.type == "meta":
         return None
-    ref = StorageWeakRef(t.untyped_storage())
+    ref = _storage_ref(t)
     key = (ref.cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
     return key, [ref], [t]
 
@@ -691,7 +693,8 @@ def _content_key(t: Tensor | None, pair: list[int] | None = None) -> tuple:
         # Canonical: the CSR (as PyG's spmm would convert it) of the matrix.
         csr = t.detach()
         if csr.layout != torch.sparse_csr:
-            csr = csr.to_sparse_csr()
+            with quiet_sparse_notices():
+                csr = csr.to_sparse_csr()
         return (
             "sparse",
             tuple(t.shape),
@@ -1047,10 +1050,12 @@ def get_adjacency(
     )  # fmt: skip
 
     def build() -> CompactAdjacency:
-        return _build(
-            edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
-            fill_value, loop_mode, dtype, external, use_values, keep_perm,
-        )  # fmt: skip
+        # from a sparse matrix, PyG's functions build sparse tensors of their own
+        with quiet_sparse_notices() if sparse_input else contextlib.nullcontext():
+            return _build(
+                edge_index_or_adj, edge_weight, num_nodes, add_self_loops, normalize, improved,
+                fill_value, loop_mode, dtype, external, use_values, keep_perm,
+            )  # fmt: skip
 
     if ctl is None:
         return build()

@@ -48,7 +48,10 @@ LABEL = "sparse-spmm"
 
 # ---------------------------------------------------------------------------- checks
 def _graph_reason(edge_index: Any, edge_weight: Tensor | None = None) -> str | None:
-    """Why this adjacency input must take PyG's path (None: supported)."""
+    """Why this adjacency input must take PyG's path (None: supported). An ``edge_weight`` of
+    another length than the edges, which stock PyG refuses (a size mismatch), is refused here
+    before anything runs; a single value, which PyG broadcasts where it does not normalize,
+    takes PyG's path."""
     if is_torch_sparse(edge_index):
         if edge_index.layout == torch.sparse_csc:
             return "sparse CSC"
@@ -65,8 +68,18 @@ def _graph_reason(edge_index: Any, edge_weight: Tensor | None = None) -> str | N
         return "edge_index shape"
     if edge_index.is_floating_point() or edge_index.dtype == torch.bool:
         return "edge_index dtype"
-    if edge_weight is not None and (edge_weight.dim() != 1 or not edge_weight.is_floating_point()):
+    if edge_weight is None:
+        return None
+    if edge_weight.dim() != 1 or not edge_weight.is_floating_point():
         return "edge_weight shape"
+    num_edges = edge_index.size(1)
+    if edge_weight.numel() != num_edges:
+        if edge_weight.numel() == 1:
+            return "one edge_weight for all edges"  # stock broadcasts it, or refuses it
+        raise ValueError(
+            f"edge_weight holds {edge_weight.numel()} values for {num_edges} edges "
+            f"(edge_index.size(1)): pass one weight per edge"
+        )
     return None
 
 
@@ -227,11 +240,14 @@ def _gcn_adjacency(ctl, module, edge_index, edge_weight, n: int, dtype, improved
 
 
 def _gcn_graph_reason(module, edge_index, edge_weight) -> str | None:
-    reason = _graph_reason(edge_index, edge_weight)
+    cached = module.normalize and module.cached
+    # once stock has cached its normalized graph it never reads the weights again
+    reused = cached and module._cached_edge_index is not None
+    reason = _graph_reason(edge_index, None if reused else edge_weight)
     if reason is not None:
         return reason
     learnable = edge_weight is not None and edge_weight.requires_grad and torch.is_grad_enabled()
-    if learnable and module.normalize and module.cached:
+    if learnable and cached:
         return "cached with learnable edge_weight"
     if (
         module.normalize

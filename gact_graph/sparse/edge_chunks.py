@@ -362,7 +362,7 @@ def item_bytes(dtype: torch.dtype) -> int:
 def attend_reference(logit, x_src, col, dst, num_dst, dropout, perm) -> Tensor:
     """Stock-autograd softmax (PyG's formula), ``F.dropout`` in stock's edge order, and
     aggregation."""
-    from gact_graph.kernels.gat_edge import aggregate_reference, edge_softmax_reference
+    from gact_graph.kernels.gat_rows import aggregate_reference, edge_softmax_reference
 
     alpha = edge_softmax_reference(logit, dst, num_dst)
     if perm is None:

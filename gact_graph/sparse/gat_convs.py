@@ -78,7 +78,7 @@ def _attention_reason(module, edge_index, edge_attr, return_attention_weights) -
     """Why a `GATConv` / `GATv2Conv` call must take PyG's path, as far as the two share it."""
     if return_attention_weights:
         return "return_attention_weights"
-    if edge_attr is not None and module.lin_edge is not None:
+    if edge_attr is not None:  # used (edge_dim), refused (GATv2Conv) or ignored (GATConv)
         return "edge_attr"
     return _message_passing_reason(module, edge_index)
 

@@ -1,4 +1,5 @@
-"""GAT's and GATv2's edge stages on the fused Triton kernels of `gact_graph.kernels.gat_edge`.
+"""GAT's and GATv2's edge stages on the fused Triton kernels of `gact_graph.kernels.gat_edge`
+and `gact_graph.kernels.gatv2_edge`.
 
 `GatAttentionFunction` (`gact_graph.sparse.gat`) and `GatV2AttentionFunction`
 (`gact_graph.sparse.gatv2`) are plain PyTorch, edge chunk by edge chunk: the CPU path and the
@@ -37,9 +38,9 @@ __all__ = [
 ]
 
 #: Which edge stage the patched `GATConv` / `GATv2Conv` run: ``"auto"``, the fused Triton kernels
-#: (`gact_graph.kernels.gat_edge`) on CUDA tensors where they apply, else the chunked PyTorch
-#: stage; ``"triton"``, the kernels wherever they apply, CPU tensors included (which works only
-#: under ``TRITON_INTERPRET=1``: the tests); ``"chunked"``, never the kernels.
+#: (`gact_graph.kernels.gat_edge`, `gatv2_edge`) on CUDA tensors where they apply, else the
+#: chunked PyTorch stage; ``"triton"``, the kernels wherever they apply, CPU tensors included
+#: (which works only under ``TRITON_INTERPRET=1``: the tests); ``"chunked"``, never the kernels.
 #: ``GACT_GRAPH_FORCE_TRITON=1`` acts as ``"triton"`` (`gact_graph.kernels.force_triton`).
 EDGE_KERNEL = "auto"
 
@@ -95,11 +96,11 @@ class GatFusedFunction(torch.autograd.Function):
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_src, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
                 dropout, keep_lossless):  # fmt: skip
-        from gact_graph.kernels import gat_edge
+        from gact_graph.kernels import gat_edge, gat_rows
 
         check_edge_stage(x_src, rowptr, col, dropout, None)
         p, slope = float(dropout), float(negative_slope)
-        seed = gat_edge.draw_seed(x_src.device) if p > 0 else None
+        seed = gat_rows.draw_seed(x_src.device) if p > 0 else None
         out_dtype = torch.promote_types(x_src.dtype, a_src.dtype)
         out, m, s = gat_edge.gat_edge_forward(
             x_src, a_src, a_dst, rowptr, col, slope, p, seed, out_dtype=out_dtype
@@ -176,13 +177,13 @@ class GatV2FusedFunction(torch.autograd.Function):
     @package_work  # grad is off in here: the forward's pointwise mode would rewrite nothing
     def forward(ctx, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, negative_slope,
                 dropout, recompute_stats):  # fmt: skip
-        from gact_graph.kernels import gat_edge
+        from gact_graph.kernels import gat_rows, gatv2_edge
 
         check_edge_stage(x_l, rowptr, col, dropout, None)
         p, slope = float(dropout), float(negative_slope)
-        seed = gat_edge.draw_seed(x_l.device) if p > 0 else None
+        seed = gat_rows.draw_seed(x_l.device) if p > 0 else None
         out_dtype = torch.promote_types(x_l.dtype, att.dtype)
-        out, m, s = gat_edge.gatv2_edge_forward(
+        out, m, s = gatv2_edge.gatv2_edge_forward(
             x_l, x_r, att, rowptr, col, slope, p, seed, out_dtype=out_dtype
         )
         if recompute_stats:
@@ -198,7 +199,7 @@ class GatV2FusedFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("the fused graph attention (sparse=True)")
     def backward(ctx, grad_out):
-        from gact_graph.kernels import gat_edge
+        from gact_graph.kernels import gatv2_edge
 
         with reading_rows(ctx._forward_cls.reads_rows_every_step):
             x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, seed = ctx.saved_tensors
@@ -207,10 +208,10 @@ class GatV2FusedFunction(torch.autograd.Function):
         x_l = _kernel_features(x_l, ctx.shapes[0])
         x_r = x_l if same else _kernel_features(x_r, ctx.shapes[1])
         if m is None:
-            _, m, s = gat_edge.gatv2_edge_forward(
+            _, m, s = gatv2_edge.gatv2_edge_forward(
                 x_l, x_r, att, rowptr, col, ctx.negative_slope, stats_only=True
             )
-        grads = gat_edge.gatv2_edge_backward(
+        grads = gatv2_edge.gatv2_edge_backward(
             grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s,
             ctx.negative_slope, ctx.dropout, seed, needs=tuple(ctx.needs_input_grad[:3]),
         )  # fmt: skip
@@ -244,10 +245,10 @@ def _dense(x: Tensor | None) -> Tensor | None:
 
 def _kernel_features(x: Tensor, shape: torch.Size):
     """What the fused kernels read of features saved by `as_rows` (N x H x C = ``shape``):
-    the packed codes (`gat_edge.CodedFeatures`) of a compressed matrix read by rows whose
+    the packed codes (`gat_rows.CodedFeatures`) of a compressed matrix read by rows whose
     codes they decode (a `QTensor` of 1 / 2 / 4 / 8 bits, any group layout), else a dense
     N x H x C tensor: the one handed back, or (another compressed kind) its dequantization."""
-    from gact_graph.kernels import gat_edge
+    from gact_graph.kernels import gat_rows
 
     q = row_matrix(x)
     if q is None:
@@ -257,22 +258,22 @@ def _kernel_features(x: Tensor, shape: torch.Size):
         not getattr(x, "transposed", False)
         and all(hasattr(q, a) for a in ("packed", "meta", "bits", "dtype"))
         and getattr(q, "bits", None) in (1, 2, 4, 8)
-        and q.dtype in gat_edge.KERNEL_DTYPES
+        and q.dtype in gat_rows.KERNEL_DTYPES
         and lay is not None and lay.num_groups > 0
         and (lay.rows, lay.cols) == (shape[0] * shape[1], shape[2])
     )  # fmt: skip
     if not readable:
         return x.dense().reshape(shape)
-    return gat_edge.coded_features(q.packed, q.meta, q.bits, lay, q.dtype, shape[1])
+    return gat_rows.coded_features(q.packed, q.meta, q.bits, lay, q.dtype, shape[1])
 
 
 def _transpose(transpose, rowptr: Tensor, col: Tensor, num_src: int):
     """``transpose`` (``(t_rowptr, t_col, t_pos)``), or the CSR's made now when it is None."""
     if transpose is not None:
         return transpose
-    from gact_graph.kernels import gat_edge
+    from gact_graph.kernels import gat_rows
 
-    return gat_edge.csr_transpose(rowptr, col, num_src)
+    return gat_rows.csr_transpose(rowptr, col, num_src)
 
 
 def adjacency_transpose(adj, dropout: float) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -72,7 +73,14 @@ def install_forward(
 
 def message_passing_reason(module: nn.Module) -> str | None:
     """Why a `MessagePassing` module must run PyG's own code right now (None: a fused path
-    may replace its propagate): options or hooks that change what propagate does."""
+    may replace its propagate): options or hooks that change what propagate does,
+    ``torch.jit.trace`` (which records no custom autograd Function) or a ``torch.func``
+    transform (its wrapped tensors have no storage to key an adjacency on, and the fused
+    Functions define no ``setup_context``)."""
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    if torch._C._functorch.maybe_current_level() is not None:
+        return "torch.func transform"
     if getattr(module, "flow", "source_to_target") != "source_to_target":
         return "flow=target_to_source"
     if getattr(module, "node_dim", -2) not in (-2, 0):

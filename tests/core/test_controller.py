@@ -343,6 +343,57 @@ def test_double_backward_through_quantized_tensor_raises():
             torch.autograd.grad(y, x, create_graph=True)
 
 
+class _Square(torch.autograd.Function):
+    """x * x whose backward reads its saved input with grad mode on or off."""
+
+    @staticmethod
+    def forward(ctx, x, grad_on):
+        ctx.save_for_backward(x)
+        ctx.grad_on = grad_on
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.set_grad_enabled(ctx.grad_on):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g, None
+
+
+class _SquareNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+        self.grad_on = False
+
+    def forward(self, x):
+        return _Square.apply(self.lin(x), self.grad_on)
+
+
+def test_custom_backward_under_enable_grad_reads_compressed_tensors():
+    """A backward that merely runs with grad on (no create_graph) reads a compressed tensor as
+    one with grad off does; create_graph, or a retained graph read with grad on, is refused."""
+    x = torch.randn(64, 16)
+    model = _SquareNet()
+
+    def step(grad_on, **kw):
+        model.zero_grad(set_to_none=True)
+        model.grad_on = grad_on
+        out = model(x).sum()
+        if kw:
+            return torch.autograd.grad(out, list(model.parameters()), **kw)
+        out.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    with compress_gnn(model, bits=8, adaptive=False, min_numel=0) as ctl:
+        off, on = step(False), step(True)
+        assert ctl.stats()["by_kind"]["activation"]["count"] == 1
+        for a, b in zip(off, on):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for kw in ({"create_graph": True}, {"retain_graph": True}):
+            with pytest.raises(RuntimeError, match="bits=None, pointwise=False, sparse=False"):
+                step(True, **kw)
+
+
 def test_remove_restores_model_exactly():
     torch.manual_seed(0)
     x, ei = _graph()

@@ -17,7 +17,12 @@ import pytest
 import torch
 from torch_geometric.utils import is_undirected
 
-from gact_graph.datasets import DatasetNotFoundError, ProcessedDataError, load_dataset
+from gact_graph.datasets import (
+    DatasetNotFoundError,
+    ProcessedDataError,
+    RawDataError,
+    load_dataset,
+)
 
 sp = pytest.importorskip("scipy.sparse")
 
@@ -135,6 +140,21 @@ def test_cogdl_and_our_loader_share_one_root(cora_root, tmp_path, cogdl_first):
     first, second = (cogdl, ours) if cogdl_first else (ours, cogdl)
     assert [first(), second(), first()] == [2708] * 3  # the third run reads its cached file
     assert (root / "Cora" / "processed_gact_graph" / "data.pt").is_file()
+
+
+@pytest.mark.parametrize("part", ["allx", "graph"])
+def test_truncated_raw_file_is_named(cora_root, tmp_path, part):
+    """A truncated download raised PyG's ``UnpicklingError: pickle data was truncated``,
+    naming no file; the error names it and where to get it again, and a fresh copy loads."""
+    root = _copy_cora_raw(cora_root, tmp_path)
+    path = root / "Cora" / "raw" / f"ind.cora.{part}"
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(RawDataError, match="truncated or corrupt") as err:
+        load_dataset("cora", root=root)
+    assert repr(str(path)) in str(err.value) and f"/ind.cora.{part}" in str(err.value)
+    path.write_bytes(good)  # what the message says to do
+    assert load_dataset("cora", root=root).num_nodes == 2708
 
 
 def _write_foreign(path, kind: str) -> None:

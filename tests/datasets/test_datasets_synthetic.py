@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch_geometric.utils import homophily, is_undirected
@@ -112,3 +114,28 @@ def test_make_synthetic_graph_validates_and_honours_options():
     pure = make_synthetic_graph(500, 2000, 4, 3, homophily=1.0, seed=1)
     assert homophily(pure.edge_index, pure.y) == 1.0
     assert pure.x.shape == (500, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"scale": -1}, "scale must be a finite number > 0, got -1"),
+        ({"scale": 0}, "scale must be a finite number > 0, got 0"),
+        ({"scale": float("nan")}, "scale must be a finite number > 0"),
+        ({"scale": 1e-4}, "scale=0.0001 gives 0 of its 2708 nodes"),
+        ({"scale": 1e-3}, "leaves no val / test nodes"),
+        ({"num_edges": -10}, "num_edges must be an int >= 0, got -10"),
+        ({"num_nodes": 1}, "num_nodes must be an int >= 2, got 1"),
+        ({"num_nodes": 50.0}, "num_nodes must be an int >= 2, got 50.0"),
+    ],
+)
+def test_bad_sizes_are_refused_naming_them(kwargs, match):
+    """A size that gives no usable graph raises naming it (scale <= 0 gave 2 nodes, 0 edges and
+    0 test nodes; a negative num_edges failed in torch's random_)."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        load_dataset("synthetic-cora", **kwargs)
+
+
+def test_an_edgeless_graph_is_a_graph():
+    data = load_dataset("synthetic", num_nodes=40, num_edges=0)
+    assert data.edge_index.shape == (2, 0) and int(data.test_mask.sum()) > 0

@@ -59,6 +59,41 @@ def test_routed_spmm_is_exact_and_saves_less(cora):
     assert ours["total"]["stored_bytes"] < stock["total"]["orig_bytes"]
 
 
+def test_gat_learnable_edge_weights_match_stock():
+    """CogDL's GAT sets its attention as ``graph.edge_weight`` for its edge softmax and
+    per-head SpMM: in lossless mode output and every gradient (``a_l``/``a_r`` included) are
+    stock's, on a graph whose edges are not in CSR order."""
+    from cogdl.data import Graph
+    from cogdl.models.nn.gat import GAT
+
+    g = torch.Generator().manual_seed(0)
+    edge_index = torch.randint(0, 40, (2, 200), generator=g)
+    graph = Graph(x=torch.randn(40, 8, generator=g), edge_index=edge_index)
+    torch.manual_seed(1)
+    model = GAT(8, 6, 3, num_layers=2, dropout=0.0, attn_drop=0.0, alpha=0.2, nhead=2,
+                residual=False, last_nhead=1)  # fmt: skip
+    weight = torch.randn(40, 3, generator=g)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        out = m(graph)
+        (out * weight).sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_out, ref = run(model)
+    wrapped = GactModel(model, bits=None)
+    try:
+        out, got = run(wrapped)
+        paths = dict(wrapped.ctl.module_paths)
+    finally:
+        wrapped.remove()
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for k, v in ref.items():
+        assert got[k] is not None, k
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6)
+    assert paths["cogdl.spmm (learnable edge weights)"] == "generic (CogDL's own)"
+
+
 def test_deepcopy_gives_an_independent_compressed_model(cora):
     _, ds = cora
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
 """Every Triton kernel in `gact_graph.kernels` compiles for sm_90 (H100, H200) without a GPU, as
 its launcher launches it: the quantizer and dequantizer (`gact_graph.kernels.quantize`, with the
 RNG helpers of `gact_graph.kernels.rng` it calls), the mask packing (`mask_pack`), the content
-hash (`content_hash`), `rng.uniform`, and the GAT / GATv2 edge kernels (`gat_edge`) at each
-blocking their tuner can pick, with dense and coded features and every switch both ways, and
-their dropout mask's kernel. `bitpack` and `layout` hold no kernel.
+hash (`content_hash`), `rng.uniform`, and the GAT / GATv2 edge kernels (`gat_edge`,
+`gatv2_edge`) at each blocking their tuner can pick, with dense and coded features and every
+switch both ways, and their dropout mask's kernel. `bitpack` and `layout` hold no kernel.
 
 The CPU kernel tests run in Triton's interpreter, which checks neither types nor layouts, so a
 kernel they pass may still be one the compiler refuses. Each case here runs the library's own
@@ -296,6 +296,13 @@ GAT_KERNELS = ("_gat_edge_fwd_kernel", "_gat_edge_bwd_dst_kernel", "_gat_edge_bw
                "_gatv2_edge_bwd_src_kernel")  # fmt: skip
 
 
+def gat_kernel(name: str):
+    """The GAT (`gat_edge`) or GATv2 (`gatv2_edge`) kernel ``name`` of `GAT_KERNELS`."""
+    from gact_graph.kernels import gat_edge, gatv2_edge
+
+    return getattr(gatv2_edge if name.startswith("_gatv2") else gat_edge, name)
+
+
 #: switches of the layer's calls, in turn per kernel: everything on; dropout off, no
 #: destination logits (``a_dst`` None), the transpose in CSR order (no ``t_pos``) and only some
 #: gradients needed; others needed. ``needs`` as each backward takes it (GAT: x, a_src, a_dst;
@@ -322,12 +329,12 @@ def _gat_cases() -> list:
     twice."""
     if not HAS_TRITON or INTERPRETED:
         return []
-    from gact_graph.kernels import gat_edge as ge
+    from gact_graph.kernels import gat_rows
 
-    blockings = sorted({c for i in range(11) for c in ge._candidates(1 << i)})
+    blockings = sorted({c for i in range(11) for c in gat_rows._candidates(1 << i)})
     cases = []
     for k, name in enumerate(GAT_KERNELS):
-        reads_codes = any(p.name.endswith("_BITS") for p in getattr(ge, name).params)
+        reads_codes = any(p.name.endswith("_BITS") for p in gat_kernel(name).params)
         half = ("bf16", "fp16")[k % 2]
         channels = (256, 40)[k % 2]
         forms = ("fp32", half, f"{half}-codes") if reads_codes else ("fp32", half)
@@ -345,6 +352,8 @@ def record_gat(name, blocking, channels, form, variant) -> list:
     """The launches of ``name`` in a GAT / GATv2 edge stage's forward and backward on a small
     graph with one high-degree row, as the layer calls them (`GAT_VARIANTS`)."""
     from gact_graph.kernels import gat_edge as ge
+    from gact_graph.kernels import gat_rows as gr
+    from gact_graph.kernels import gatv2_edge as ge2
     from tests.kernels.test_gat_edge import graph
 
     v = GAT_VARIANTS[variant]
@@ -353,29 +362,29 @@ def record_gat(name, blocking, channels, form, variant) -> list:
     x, x_r, out = (torch.zeros(n, heads, channels, dtype=dt) for _ in range(3))
     if form.endswith("-codes"):  # how the layer hands the kernels its saved features
         q = quantize(x.reshape(n * heads, channels), 2, seed=0)
-        x = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
+        x = gr.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
         q = quantize(x_r.reshape(n * heads, channels), 2, seed=1)
-        x_r = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
+        x_r = gr.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
     a, m, s = (torch.zeros(n, heads) for _ in range(3))
     a_dst = a if v["dst"] else None
     att = torch.zeros(heads, channels, dtype=dt)
-    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, n)
+    t_rowptr, t_col, t_pos = gr.csr_transpose(rowptr, col, n)
     t_pos = t_pos if v["pos"] else None
     seed = torch.zeros(1, dtype=torch.int64) if v["dropout"] else None
     drop = dict(dropout=v["dropout"], seed=seed, config=blocking)
-    coded = isinstance(x, ge.CodedFeatures)
+    coded = isinstance(x, gr.CodedFeatures)
     transpose = (t_rowptr, t_col, t_pos, m, s)
-    with recorded_launches(*(getattr(ge, k) for k in GAT_KERNELS)) as launches:
+    with recorded_launches(*map(gat_kernel, GAT_KERNELS)) as launches:
         if "gatv2" in name:
-            ge.gatv2_edge_forward(x, x_r, att, rowptr, col, stats_only=coded, **drop)
-            ge.gatv2_edge_backward(out, x, x_r, att, rowptr, col, *transpose,
-                                   needs=v["v2_needs"], **drop)  # fmt: skip
+            ge2.gatv2_edge_forward(x, x_r, att, rowptr, col, stats_only=coded, **drop)
+            ge2.gatv2_edge_backward(out, x, x_r, att, rowptr, col, *transpose,
+                                    needs=v["v2_needs"], **drop)  # fmt: skip
         else:
             if not coded:  # its forward reads the dense features only
                 ge.gat_edge_forward(x, a, a_dst, rowptr, col, **drop)
             ge.gat_edge_backward(out, x, a, a_dst, rowptr, col, *transpose,
                                  needs=v["gat_needs"], **drop)  # fmt: skip
-    launches = [la for la in launches if la.kernel is getattr(ge, name)]
+    launches = [la for la in launches if la.kernel is gat_kernel(name)]
     assert launches, f"{name} was not launched"
     for la in launches:
         assert la.kwargs["num_warps"] == blocking[2] and la.constexprs()["BLOCK_E"] == blocking[0]
@@ -396,12 +405,12 @@ def _gat_ampere_cases() -> list:
     widest edge block the tuner can pick (the largest tile of features a program holds)."""
     if not HAS_TRITON or INTERPRETED:
         return []
-    from gact_graph.kernels import gat_edge as ge
+    from gact_graph.kernels import gat_rows
 
-    widest = max({c for i in range(11) for c in ge._candidates(1 << i)})  # most edges a block
+    widest = max({c for i in range(11) for c in gat_rows._candidates(1 << i)})  # most edges a block
     cases = []
     for name in GAT_KERNELS:
-        reads_codes = any(p.name.endswith("_BITS") for p in getattr(ge, name).params)
+        reads_codes = any(p.name.endswith("_BITS") for p in gat_kernel(name).params)
         for form in ("bf16", "fp16-codes" if reads_codes else "fp16"):
             case_id = f"{name}-{form}-256-{widest}"
             cases.append(pytest.param(name, widest, 256, form, 0, id=case_id))

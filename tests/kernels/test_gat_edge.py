@@ -1,10 +1,10 @@
-"""Fused GAT / GATv2 edge-stage kernels (`gact_graph.kernels.gat_edge`) against their references:
-values and every gradient, dropout on and off (the kernels' own mask, materialized by
-`gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one huge-degree
-row, H = 1 and 8, C not a power of two; the patched `GATConv` / `GATv2Conv` on the kernels
-against the chunked PyTorch stage (and under CB1's recomputation); on CUDA, a 70,000-node
-graph and no host sync in a steady-state step (`test_compiled.py` compiles every kernel for
-sm_90 without a GPU).
+"""Fused GAT / GATv2 edge-stage kernels (`gact_graph.kernels.gat_edge`, `gatv2_edge`) against
+their references: values and every gradient, dropout on and off (the kernels' own mask,
+materialized by `gat_edge_dropout_keep`, fed to the reference), fp32/bf16/fp16, empty rows, one
+huge-degree row, H = 1 and 8, C not a power of two; the patched `GATConv` / `GATv2Conv` on the
+kernels against the chunked PyTorch stage (and under CB1's recomputation); on CUDA, a
+70,000-node graph and no host sync in a steady-state step (`test_compiled.py` compiles every
+kernel for sm_90 without a GPU).
 
 Without CUDA the kernel tests run in Triton's CPU interpreter, which has to be switched on
 (``TRITON_INTERPRET=1``) before Triton is imported; the conftest's imports (PyG) import Triton
@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from gact_graph.kernels import gat_edge as ge
+from gact_graph.kernels import gat_rows as gr
+from gact_graph.kernels import gatv2_edge as ge2
 from tests.kernels.interpreted import (
     DEVICE,
     HAS_CUDA,
@@ -35,7 +37,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 def untuned(monkeypatch):
     """The default blocking, untimed: on a GPU every timed candidate is one more compilation
     per test (the tests that check the tuner switch it back on)."""
-    monkeypatch.setattr(ge, "TUNE", False)
+    monkeypatch.setattr(gr, "TUNE", False)
 
 
 # ---------------------------------------------------------------------------- graphs
@@ -76,7 +78,7 @@ def run_kernels(x, a_src, a_dst, rowptr, col, slope, p, seed, grad_out, config=N
         x, a_src, a_dst, rowptr, col, slope, p, seed,
         out_dtype=torch.promote_types(x.dtype, a_src.dtype), config=config,
     )  # fmt: skip
-    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, x.shape[0])
+    t_rowptr, t_col, t_pos = gr.csr_transpose(rowptr, col, x.shape[0])
     grads = ge.gat_edge_backward(
         grad_out, x, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, slope, p, seed,
         config=config,
@@ -92,15 +94,15 @@ def run_reference(x, a_src, a_dst, rowptr, col, slope, p, keep, grad_out):
     return out, [None if t is None else t.grad for t in leaves]
 
 
-def count_calls(monkeypatch, name: str) -> list:
-    """Wrap ``gat_edge.<name>``: the returned list gains a 1 per call."""
-    calls, fn = [], getattr(ge, name)
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.<name>``: the returned list gains a 1 per call."""
+    calls, fn = [], getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return fn(*args, **kwargs)
 
-    monkeypatch.setattr(ge, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -220,7 +222,7 @@ def test_function_redraws_its_seed_reproducibly():
     out = sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, dropout=0.4)
     grads = torch.autograd.grad(out, leaves, grad_out)
     torch.manual_seed(5)
-    keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), 2, 0.4)
+    keep = ge.gat_edge_dropout_keep(gr.draw_seed(DEVICE), col.numel(), 2, 0.4)
     ref, ref_grads = run_reference(*leaves, rowptr, col, 0.2, 0.4, keep, grad_out)
     assert_close(out, ref, 2e-5, "out")
     for g, r in zip(grads, ref_grads):
@@ -243,7 +245,7 @@ def test_patched_gatconv_on_kernels_matches_chunked(monkeypatch):
     ei = torch.randint(0, n, (2, 60)).to(DEVICE)
     x = torch.randn(n, 6, device=DEVICE)
     results = {}
-    calls = count_calls(monkeypatch, "gat_edge_forward")
+    calls = count_calls(monkeypatch, ge, "gat_edge_forward")
     for kernel in ("chunked", "triton"):
         monkeypatch.setattr(sfused, "EDGE_KERNEL", kernel)
         torch.manual_seed(1)
@@ -287,17 +289,17 @@ def check_v2_against_reference(kind, heads, channels, dtype, p=0.0, config=None,
     att = torch.randn(1, heads, channels, generator=g).to(DEVICE)
     seed = torch.tensor([99], dtype=torch.int64, device=DEVICE) if p > 0 else None
     grad_out = torch.randn(n, heads, channels, device=DEVICE)
-    out, m, s = ge.gatv2_edge_forward(
+    out, m, s = ge2.gatv2_edge_forward(
         x_l, x_r, att, rowptr, col, 0.2, p, seed, out_dtype=torch.float32, config=config
     )
-    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, n)
-    grads = ge.gatv2_edge_backward(
+    t_rowptr, t_col, t_pos = gr.csr_transpose(rowptr, col, n)
+    grads = ge2.gatv2_edge_backward(
         grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, 0.2, p, seed,
         config=config,
     )  # fmt: skip
     keep = ge.gat_edge_dropout_keep(seed, col.numel(), heads, p) if p > 0 else None
     leaves = [t.detach().float().requires_grad_() for t in (x_l, x_r, att)]
-    ref = ge.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
+    ref = ge2.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
     ref.backward(grad_out)
     assert_close(out, ref, TOL[dtype], "out")
     for name, got, leaf, want in zip(("x_l", "x_r", "att"), grads, leaves, (x_l, x_r, att)):
@@ -328,8 +330,8 @@ def test_gatv2_stats_only_equals_the_forwards_statistics():
     g = torch.Generator().manual_seed(5)
     x_l, x_r = (torch.randn(n, 2, 6, generator=g).to(DEVICE) for _ in range(2))
     att = torch.randn(1, 2, 6, generator=g).to(DEVICE)
-    out, m, s = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2)
-    none, m2, s2 = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, stats_only=True)
+    out, m, s = ge2.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2)
+    none, m2, s2 = ge2.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, stats_only=True)
     assert none is None
     torch.testing.assert_close(m2, m, rtol=0, atol=0)
     torch.testing.assert_close(s2, s, rtol=0, atol=0)
@@ -367,7 +369,7 @@ def test_gatv2_backward_of_compressed_features_is_the_gradient_at_them(dtype):
     at = [noisy[id(x_l)].view(x_l.shape).float().requires_grad_(),
           noisy[id(x_r)].view(x_r.shape).float().requires_grad_(),
           att.detach().clone().requires_grad_()]  # fmt: skip
-    ge.gatv2_edge_reference(*at, rowptr, col, 0.2, 0.0, None).backward(grad_out)
+    ge2.gatv2_edge_reference(*at, rowptr, col, 0.2, 0.0, None).backward(grad_out)
     for name, leaf, want in zip(("x_l", "x_r", "att"), leaves, at):
         assert_close(leaf.grad, want.grad, TOL[dtype] * 2, f"grad {name}")
 
@@ -379,7 +381,7 @@ def test_patched_gatv2conv_on_kernels_matches_chunked(monkeypatch):
     from gact_graph import compress_gnn
     from gact_graph.sparse import gat_fused as sfused
 
-    calls = count_calls(monkeypatch, "gatv2_edge_forward")
+    calls = count_calls(monkeypatch, ge2, "gatv2_edge_forward")
     torch.manual_seed(0)
     n = 14
     ei = torch.randint(0, n, (2, 40)).to(DEVICE)
@@ -412,7 +414,7 @@ def test_checkpointed_recompute_redraws_the_same_mask_and_statistics(monkeypatch
     from tests.policy.test_levels import _rel, _step
 
     monkeypatch.setattr(sfused, "EDGE_KERNEL", "triton")
-    calls = count_calls(monkeypatch, "gat_edge_forward")
+    calls = count_calls(monkeypatch, ge, "gat_edge_forward")
     x, ei = levels_graph(n=10, f=8, e=24)
     torch.manual_seed(0)
     model = GAT(8, 6, 3, num_layers=2, heads=1, dropout=0.5, attn_dropout=0.3,
@@ -441,27 +443,27 @@ def test_blocking_is_timed_once_per_key_and_skips_what_does_not_fit(monkeypatch)
             raise triton.runtime.errors.OutOfResources(1, 0, "shared memory")
         return cost[config]
 
-    monkeypatch.setattr(ge, "_time_ms", fake_time)
-    monkeypatch.setattr(ge, "_TUNED", {})
-    monkeypatch.setattr(ge, "TUNE", True)
+    monkeypatch.setattr(gr, "_time_ms", fake_time)
+    monkeypatch.setattr(gr, "_TUNED", {})
+    monkeypatch.setattr(gr, "TUNE", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     cuda_dev = torch.device("cuda")
-    key = ("fwd", 3, 128, ge.degree_bucket(14_000, 1_000))
-    assert ge._blocking(key, key[-1], None, cuda_dev) == (32, 1, 4)
-    assert len(timed) == len(ge._candidates(key[-1])) > 3  # others raised and were skipped
-    again = ("fwd", 3, 128, ge.degree_bucket(15_500, 1_100))
-    assert again == key and ge._blocking(again, again[-1], None, cuda_dev) == (32, 1, 4)
-    assert len(timed) == len(ge._candidates(key[-1]))  # not timed again
-    assert ge._blocking(key, 16, None, cuda_dev, config=(64, 2, 8)) == (64, 2, 8)
-    monkeypatch.setattr(ge, "TUNE", False)
-    assert ge._blocking(("other",), 16, None, cuda_dev) == ge._candidates(16)[0]
+    key = ("fwd", 3, 128, gr.degree_bucket(14_000, 1_000))
+    assert gr.tuned_blocking(key, key[-1], None, cuda_dev) == (32, 1, 4)
+    assert len(timed) == len(gr._candidates(key[-1])) > 3  # others raised and were skipped
+    again = ("fwd", 3, 128, gr.degree_bucket(15_500, 1_100))
+    assert again == key and gr.tuned_blocking(again, again[-1], None, cuda_dev) == (32, 1, 4)
+    assert len(timed) == len(gr._candidates(key[-1]))  # not timed again
+    assert gr.tuned_blocking(key, 16, None, cuda_dev, config=(64, 2, 8)) == (64, 2, 8)
+    monkeypatch.setattr(gr, "TUNE", False)
+    assert gr.tuned_blocking(("other",), 16, None, cuda_dev) == gr._candidates(16)[0]
 
 
 def test_degree_bucket_is_coarse():
-    assert ge.degree_bucket(0, 10) == 1
-    assert ge.degree_bucket(14 * 1000, 1000) == 16
-    assert ge.degree_bucket(15 * 1000 + 7, 1000) == 16  # nearby sizes share a key
-    assert ge.degree_bucket(10**9, 1) == 1024
+    assert gr.degree_bucket(0, 10) == 1
+    assert gr.degree_bucket(14 * 1000, 1000) == 16
+    assert gr.degree_bucket(15 * 1000 + 7, 1000) == 16  # nearby sizes share a key
+    assert gr.degree_bucket(10**9, 1) == 1024
 
 
 def test_reference_needs_the_mask_under_dropout():
@@ -511,14 +513,14 @@ def test_cuda_gatv2_moderate_graph(p, request):
     att = torch.randn(1, heads, channels, device="cuda")
     seed = torch.tensor([11], dtype=torch.int64, device="cuda") if p else None
     grad_out = torch.randn(n, heads, channels, device="cuda")
-    out, m, s = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, p, seed)
-    grads = ge.gatv2_edge_backward(
-        grad_out, x_l, x_r, att, rowptr, col, *ge.csr_transpose(rowptr, col, n), m, s, 0.2, p,
+    out, m, s = ge2.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, p, seed)
+    grads = ge2.gatv2_edge_backward(
+        grad_out, x_l, x_r, att, rowptr, col, *gr.csr_transpose(rowptr, col, n), m, s, 0.2, p,
         seed,
     )  # fmt: skip
     keep = ge.gat_edge_dropout_keep(seed, e, heads, p) if p else None
     leaves = [t.clone().requires_grad_() for t in (x_l, x_r, att)]
-    ref = ge.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
+    ref = ge2.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep)
     ref.backward(grad_out)
     assert_close(out, ref, 1e-4, "out")
     for g, leaf in zip(grads, leaves):
@@ -538,7 +540,7 @@ def test_cuda_dropout_is_unbiased(request):
     expected, _, _ = ge.gat_edge_forward(x, a_src, a_dst, rowptr, col, 0.2)
     torch.manual_seed(0)
     draws = torch.stack([
-        ge.gat_edge_forward(x, a_src, a_dst, rowptr, col, 0.2, 0.2, ge.draw_seed("cuda"))[0]
+        ge.gat_edge_forward(x, a_src, a_dst, rowptr, col, 0.2, 0.2, gr.draw_seed("cuda"))[0]
         for _ in range(1000)
     ])  # fmt: skip
     assert not torch.equal(draws[0], draws[1])
@@ -551,13 +553,13 @@ def test_cuda_steady_state_makes_no_host_sync(request, monkeypatch):
         request.applymarker(mark)
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    monkeypatch.setattr(ge, "TUNE", True)  # the tuner's first calls sync; later ones must not
+    monkeypatch.setattr(gr, "TUNE", True)  # the tuner's first calls sync; later ones must not
     from gact_graph.sparse import gat_fused as sfused
 
     rowptr, col, n = graph("huge_row", n=3000, e=30000)
     rowptr, col = rowptr.cuda(), col.cuda()
     leaves = [t.cuda().requires_grad_() for t in inputs(n, 3, 32, torch.float32, device="cpu")]
-    transpose = ge.csr_transpose(rowptr, col, n)
+    transpose = gr.csr_transpose(rowptr, col, n)
     for _ in range(2):  # the first call tunes the blocking (timed: syncs)
         sfused.gat_attention_fused(*leaves, rowptr, col, 0.2, 0.3, transpose).sum().backward()
     torch.cuda.synchronize()
@@ -592,8 +594,8 @@ def test_cuda_patched_layer_steady_state_makes_no_host_sync(conv_name, request, 
     ei = torch.randint(0, n, (2, 40_000), device="cuda")
     x = torch.randn(n, 32, device="cuda")
     conv = getattr(pyg_nn, conv_name)(32, 16, heads=3).cuda()
-    op = "gat_edge_forward" if conv_name == "GATConv" else "gatv2_edge_forward"
-    calls = count_calls(monkeypatch, op)
+    op = (ge, "gat_edge_forward") if conv_name == "GATConv" else (ge2, "gatv2_edge_forward")
+    calls = count_calls(monkeypatch, *op)
     compress_gnn(conv, bits=None)
     for _ in range(2):
         conv(x, ei).sum().backward()

@@ -1,5 +1,5 @@
 """The fused GAT / GATv2 backward kernels (and GATv2's statistics pass) reading node features
-from the quantizer's packed codes (`gact_graph.kernels.gat_edge.CodedFeatures`): every value
+from the quantizer's packed codes (`gact_graph.kernels.gat_rows.CodedFeatures`): every value
 and gradient equals, bit for bit, the same kernels fed the dequantized features, and the
 stock-autograd reference at the dequantized features within the kernels' tolerance; for 1, 2,
 4 and 8 bits, dropout on and off, fp32 / bf16 / fp16 features, empty rows, a huge-degree row,
@@ -15,6 +15,8 @@ import torch
 
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
+from gact_graph.kernels import gat_rows as gr
+from gact_graph.kernels import gatv2_edge as ge2
 from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 from tests.kernels.test_gat_edge import TOL, assert_close, graph
 
@@ -27,7 +29,7 @@ LAYOUTS = {"rows_padded": (5, 16), "rows": (4, 16), "one_row": (16, 16), "split"
 
 @pytest.fixture(autouse=True)
 def untuned(monkeypatch):
-    monkeypatch.setattr(ge, "TUNE", False)
+    monkeypatch.setattr(gr, "TUNE", False)
 
 
 def coded(x: torch.Tensor, bits: int, group_size: int, seed: int = 3):
@@ -35,7 +37,7 @@ def coded(x: torch.Tensor, bits: int, group_size: int, seed: int = 3):
     the controller would quantize its (N * H) x C view."""
     n, heads, channels = x.shape
     q = quantize(x.reshape(-1, channels), bits, group_size=group_size, seed=seed)
-    codes = ge.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
+    codes = gr.coded_features(q.packed, q.meta, q.bits, q.layout, q.dtype, heads)
     assert codes.shape == x.shape
     return codes, q.dequantize().view(n, heads, channels)
 
@@ -61,7 +63,7 @@ def assert_equal(a, b, what):
 
 # ---------------------------------------------------------------------------- GAT
 def gat_grads(x, a_src, a_dst, rowptr, col, p, seed, grad_out, m, s):
-    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, a_src.shape[0])
+    t_rowptr, t_col, t_pos = gr.csr_transpose(rowptr, col, a_src.shape[0])
     return ge.gat_edge_backward(
         grad_out, x, a_src, a_dst, rowptr, col, t_rowptr, t_col, t_pos, m, s, 0.2, p, seed
     )
@@ -128,10 +130,10 @@ def test_constant_and_non_finite_groups_decode_as_dequantized():
 def v2_run(x_l, x_r, att, rowptr, col, p, seed, grad_out):
     """GATv2's backward as the fused Function runs it on saved features that are not the
     forward's: the statistics recomputed from them (stats only), then the two passes."""
-    none, m, s = ge.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, stats_only=True)
+    none, m, s = ge2.gatv2_edge_forward(x_l, x_r, att, rowptr, col, 0.2, stats_only=True)
     assert none is None
-    t_rowptr, t_col, t_pos = ge.csr_transpose(rowptr, col, x_l.shape[0])
-    grads = ge.gatv2_edge_backward(
+    t_rowptr, t_col, t_pos = gr.csr_transpose(rowptr, col, x_l.shape[0])
+    grads = ge2.gatv2_edge_backward(
         grad_out, x_l, x_r, att, rowptr, col, t_rowptr, t_col, t_pos, m, s, 0.2, p, seed
     )
     return (m, s, *grads)
@@ -159,7 +161,7 @@ def check_v2(kind, heads, layout, dtype, bits_l, bits_r, p, n=14, same=False):
         assert_equal(a, b, name)
     keep = ge.gat_edge_dropout_keep(seed, col.numel(), heads, p) if p > 0 else None
     leaves = [t.detach().float().requires_grad_() for t in (l_hat, r_hat, att)]
-    ge.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep).backward(grad_out)
+    ge2.gatv2_edge_reference(*leaves, rowptr, col, 0.2, p, keep).backward(grad_out)
     for name, a, leaf in zip(("x_l", "x_r", "att"), got[2:], leaves):
         assert_close(a, leaf.grad, TOL[dtype] * 2, f"grad {name} vs reference")
 
@@ -192,14 +194,14 @@ def test_gatv2_one_input_coded_shared_and_half(layout, dtype, bits_r, same):
 def test_coded_features_refuse_what_they_cannot_read():
     q = quantize(torch.randn(12, 5), 2, group_size=16, seed=0)
     with pytest.raises(ValueError, match="bits"):
-        ge.coded_features(q.packed, q.meta, 3, q.layout, q.dtype, 3)
+        gr.coded_features(q.packed, q.meta, 3, q.layout, q.dtype, 3)
     with pytest.raises(ValueError, match="N \\* 5"):
-        ge.coded_features(q.packed, q.meta, 2, q.layout, q.dtype, 5)
+        gr.coded_features(q.packed, q.meta, 2, q.layout, q.dtype, 5)
     with pytest.raises(ValueError, match="packed codes"):
-        ge.coded_features(q.packed[:-1], q.meta, 2, q.layout, q.dtype, 3)
+        gr.coded_features(q.packed[:-1], q.meta, 2, q.layout, q.dtype, 3)
     with pytest.raises(ValueError, match="dequantize to"):
-        ge.coded_features(q.packed, q.meta, 2, q.layout, torch.float64, 3)
-    codes = ge.coded_features(q.packed, q.meta, 2, q.layout, q.dtype, 3)
+        gr.coded_features(q.packed, q.meta, 2, q.layout, torch.float64, 3)
+    codes = gr.coded_features(q.packed, q.meta, 2, q.layout, q.dtype, 3)
     assert codes.shape == (4, 3, 5) and codes.meta.dtype == torch.int32
 
 

@@ -362,6 +362,33 @@ def test_fallbacks_run_pyg_and_say_why():
         ctl.remove()
 
 
+@pytest.mark.parametrize("conv_cls", [GATConv, GATv2Conv])
+@pytest.mark.parametrize("num_attr", [None, 7])
+def test_edge_attr_without_edge_dim_acts_as_stock(conv_cls, num_attr):
+    """Built without ``edge_dim`` and called with ``edge_attr``: stock GATConv ignores the
+    features (and refuses ones of the wrong length when it adds self-loops), stock GATv2Conv
+    refuses them; ours does the same."""
+    torch.manual_seed(5)
+    ei = _graph("self_loops")
+    x = torch.randn(60, 12)
+    edge_attr = torch.randn(num_attr or ei.size(1), 3)
+    conv = _randomize(conv_cls(12, 4, heads=2))
+    try:
+        stock = _run(conv, x, ei, edge_attr=edge_attr)
+    except Exception as e:  # the stock error is the outcome to match
+        stock = e
+    ctl = _compress(conv, bits=None)
+    try:
+        if isinstance(stock, Exception):
+            with pytest.raises(type(stock)):
+                _run(conv, x, ei, edge_attr=edge_attr)
+        else:
+            _assert_same_run(stock, _run(conv, x, ei, edge_attr=edge_attr))
+        assert ctl.module_paths["<root>"] == "generic (edge_attr)"
+    finally:
+        ctl.remove()
+
+
 def _stock_forward_run(conv, x, ei):
     """`_run` through PyG's own class forward (no hooks, no patch) while a controller is on."""
     conv.zero_grad(set_to_none=True)

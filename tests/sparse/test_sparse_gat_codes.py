@@ -15,6 +15,8 @@ import torch
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import quantize
 from gact_graph.kernels import gat_edge as ge
+from gact_graph.kernels import gat_rows as gr
+from gact_graph.kernels import gatv2_edge as ge2
 from gact_graph.sparse import gat_fused as sfused
 from tests.kernels.interpreted import DEVICE, interpreter_test, kernel_test
 from tests.sparse.allocations import LargeAllocations
@@ -23,7 +25,7 @@ from tests.sparse.quantized_saves import dequantized, saved_as
 
 @pytest.fixture(autouse=True)
 def untuned(monkeypatch):
-    monkeypatch.setattr(ge, "TUNE", False)
+    monkeypatch.setattr(gr, "TUNE", False)
 
 
 def _graph(n, e, seed):
@@ -75,7 +77,7 @@ def test_gat_fused_backward_reads_the_codes(heads, channels, dtype, dropout, bit
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     # the reference at the dequantized features (the forward's softmax: the logits are exact)
     torch.manual_seed(7)
-    keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), heads, dropout)
+    keep = ge.gat_edge_dropout_keep(gr.draw_seed(DEVICE), col.numel(), heads, dropout)
     at = [t.detach().float().requires_grad_() for t in (dequantized(x, bits), a_src, a_dst)]
     ref = ge.gat_edge_reference(*at, rowptr, col, 0.2, dropout, keep if dropout else None)
     ref_grads = torch.autograd.grad((ref * w).sum(), at)
@@ -113,12 +115,12 @@ def test_gatv2_fused_backward_reads_the_codes(heads, channels, dtype, dropout, b
         assert a.dtype == b.dtype and a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     torch.manual_seed(7)
-    keep = ge.gat_edge_dropout_keep(ge.draw_seed(DEVICE), col.numel(), heads, dropout)
+    keep = ge.gat_edge_dropout_keep(gr.draw_seed(DEVICE), col.numel(), heads, dropout)
     xl_hat = dequantized(x_l, bits).float().requires_grad_()
     xr_hat = xl_hat if shared else dequantized(x_r, bits).float().requires_grad_()
     at_att = att.clone().requires_grad_()
     at = (xl_hat, at_att) if shared else (xl_hat, xr_hat, at_att)
-    ref = ge.gatv2_edge_reference(xl_hat, xr_hat, at_att, rowptr, col, 0.2, dropout,
+    ref = ge2.gatv2_edge_reference(xl_hat, xr_hat, at_att, rowptr, col, 0.2, dropout,
                                   keep if dropout else None)  # fmt: skip
     ref_grads = torch.autograd.grad((ref * w).sum(), at)
     tol = 2e-4 if dtype == torch.float32 else 4e-2
@@ -219,7 +221,7 @@ def test_kernel_features_of_each_kind():
     for group_size in (4, 16, 256):
         q = quantize(rows, 4, group_size=group_size, seed=0)
         codes = sfused._kernel_features(RowChunked(q), x.shape)
-        assert isinstance(codes, ge.CodedFeatures) and codes.shape == x.shape
+        assert isinstance(codes, gr.CodedFeatures) and codes.shape == x.shape
         assert codes.layout == q.layout and codes.bits == 4
 
     class Other:  # a compressed matrix read by rows that is no QTensor
