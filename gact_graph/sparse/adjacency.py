@@ -309,7 +309,7 @@ class CompactAdjacency:
                 rowptr=a.rowptr, col=a.col.long(), value=a.weight, sparse_sizes=(n, n),
                 is_sorted=True,
             )  # fmt: skip
-        return torch.sparse_csr_tensor(a.rowptr, a.col.long(), a.weight, (n, n))
+        return sparse_csr_tensor(a.rowptr, a.col.long(), a.weight, (n, n))
 
     def explicit(self) -> CompactAdjacency:
         """The same matrix with its diagonal and normalization written into the stored
