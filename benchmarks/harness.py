@@ -1,8 +1,8 @@
 """How deep, how wide, how large a graph: the largest configuration that completes a training
 step (forward, backward, optimizer step) under a memory budget.
 
-This is the search behind ``benchmarks/scaling.py`` (deepest / widest GCN and GCNII, GACT
-Table 4) and ``benchmarks/largest_graph.py`` (largest full-batch graph), and of the deep tests
+This is the search behind ``benchmarks/memory.py scaling`` (deepest / widest GCN and GCNII,
+GACT Table 4) and ``benchmarks/largest_graph.py`` (largest full-batch graph), and of the deep tests
 (``tests/benchmarks/``), which import it as ``benchmarks.harness``. It is benchmark machinery,
 not part of the installed package.
 
@@ -31,16 +31,19 @@ Two ways to enforce the budget:
 binary search between the last success and the first failure (optionally stopping at a relative
 tolerance, under a deadline or at a cap).
 
-The scripts' shared start and record are here too: `start_run` (threads, device), `names` (a
-comma-separated flag), `run_env` and `command_line` (what a JSON says about its run),
-`budget_meaning` (what a budget limits on the device), `write_results` (the JSON, rewritten
-after every result so that a run cut short keeps what it found).
+The scripts' shared start and record are here too: `subcommand` (one measurement of a script),
+`start_run` (threads, device), `names` (a comma-separated flag), `run_env` and `command_line`
+(what a JSON says about its run), `budget_meaning` (what a budget limits on the device),
+`write_results` (the JSON, rewritten after every result so that a run cut short keeps what it
+found).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
+import inspect
 import json
 import math
 import os
@@ -80,6 +83,8 @@ __all__ = [
     "command_line",
     "write_results",
     "sync",
+    "subcommand",
+    "dispatch",
 ]
 
 _GIB = 1 << 30
@@ -743,3 +748,23 @@ def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a CUDA stream) before a timer reads the clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def subcommand(sub, fn: Callable, name: str | None = None) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (default: ``fn``'s name, ``-`` for ``_``) of the subparsers
+    ``sub``: it runs ``fn(args)`` and its help is ``fn``'s docstring."""
+    doc = inspect.cleandoc(fn.__doc__)
+    first = " ".join(doc.split("\n\n")[0].split()).split(". ")[0].replace("%", "%%")
+    p = sub.add_parser(name or fn.__name__.replace("_", "-"), help=first, description=doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.set_defaults(func=fn)
+    return p
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Parse ``argv`` and run the subcommand it names (`subcommand`) with its arguments, where
+    ``args.argv`` is ``argv`` (what a JSON records as its command: `command_line`)."""
+    args = parser.parse_args(argv)
+    func = vars(args).pop("func")  # not a setting: kept out of a JSON of `vars(args)`
+    args.argv = argv
+    return func(args)

@@ -6,23 +6,23 @@
 #
 # Stages (each with a hard time limit and, where the script has one, a soft --time-budget
 # slightly below it so it writes its JSON before the limit):
-#   quantize   benchmarks/bench_quantize.py --device cuda     kernel bandwidth per bit width
-#   memory     benchmarks/activation_memory.py --device cuda  saved bytes and peak per method
-#   step_time  benchmarks/step_time.py --device cuda          step time, stock vs ours
-#   scaling    benchmarks/scaling.py --device cuda --budget-gb 16   deepest / widest GCN, GCNII
+#   quantize   benchmarks/speed.py quantize --device cuda      kernel bandwidth per bit width
+#   memory     benchmarks/memory.py activations --device cuda  saved bytes and peak per method
+#   step_time  benchmarks/speed.py step --device cuda          step time, stock vs ours
+#   scaling    benchmarks/memory.py scaling --device cuda --budget-gb 16   deepest / widest GCN, GCNII
 #   largest    benchmarks/largest_graph.py --device cuda --budget-gb 16   largest graph, GAT/GCN
 #
 # Speed stages, run only when named in SUITE_STAGES (the default runs the five above):
 #   cuda_tests  pytest -m cuda tests                       every CUDA test, kernels included
-#   gat_edge    benchmarks/bench_gat_edge.py --device cuda  the fused GAT edge stage
+#   gat_edge    benchmarks/speed.py gat-edge --device cuda  the fused GAT edge stage
 #   gatv2_edge  the same with --op gatv2 (its table in suite.log only: 8 files come back)
-#   small       benchmarks/small_graph_epoch.py --device cuda   CiteSeer-sized epoch vs FP32
-#   products    benchmarks/budget_products.py --hidden 32   ogbn-products-size GAT, 16 GiB
-#   host_step_forward, host_step_version   step_time.py GCN (stock, fixed and default 2-bit)
+#   small       benchmarks/speed.py epoch --device cuda   CiteSeer-sized epoch vs FP32
+#   products    benchmarks/budget.py products --hidden 32   ogbn-products-size GAT, 16 GiB
+#   host_step_forward, host_step_version   speed.py step, GCN (stock, fixed and default 2-bit)
 #               with graph_check "forward" / "version": the graph check's cost per step
-#   host_overhead   benchmarks/host_overhead.py --device cuda: ops, possible syncs and the
+#   host_overhead   benchmarks/speed.py host --device cuda: ops, possible syncs and the
 #               syncs CUDA itself reports in one steady-state GCN step (suite.log only)
-#   gat_probe   benchmarks/gat_probe_peak.py --device cuda   GAT/GATv2 worst step, fixed vs default
+#   gat_probe   benchmarks/memory.py probe-peak --device cuda   GAT/GATv2 worst step, fixed vs default
 #   replan      tests/policy/replan_time.py --device cuda   a re-planning step over the median
 #               step, GAT and GCN (suite.log only)
 #
@@ -133,26 +133,22 @@ run_stage cuda_tests "$T_CUDA_TESTS" \
     "$PY" -m pytest -m cuda tests -p no:cacheprovider -rfE --tb=short -q
 
 run_stage quantize "$T_QUANTIZE" \
-    "$PY" benchmarks/bench_quantize.py --device "$DEV" --json "$OUTDIR/bench_quantize.json" \
+    "$PY" benchmarks/speed.py quantize --device "$DEV" --json "$OUTDIR/bench_quantize.json" \
     ${QUANTIZE_ARGS:-}
 
-if grep -q -- '"--device"' benchmarks/activation_memory.py; then
-    # each configuration runs in its own process (import + graph + steps); 12 of them
-    run_stage memory "$T_MEMORY" \
-        "$PY" benchmarks/activation_memory.py --device "$DEV" --timeout 60 --jobs "${MEMORY_JOBS:-3}" \
-        --json "$OUTDIR/activation_memory.json" ${MEMORY_ARGS:-}
-else
-    echo "== memory: benchmarks/activation_memory.py has no --device flag; skipped" | tee -a "$LOG"
-fi
+# each configuration runs in its own process (import + graph + steps); 12 of them
+run_stage memory "$T_MEMORY" \
+    "$PY" benchmarks/memory.py activations --device "$DEV" --timeout 60 --jobs "${MEMORY_JOBS:-3}" \
+    --json "$OUTDIR/activation_memory.json" ${MEMORY_ARGS:-}
 
 run_stage step_time "$T_STEP" \
-    "$PY" benchmarks/step_time.py --device "$DEV" --warmup 2 --steps 10 \
+    "$PY" benchmarks/speed.py step --device "$DEV" --warmup 2 --steps 10 \
     --methods "${STEP_METHODS:-stock,L1-4bit,L1-2bit,L1-2bit-adaptive,L2-2bit,stock-amp,L1-2bit-amp}" \
     ${STEP_MODELS:+--models "$STEP_MODELS"} \
     --time-budget $((T_STEP - 25)) --json "$OUTDIR/step_time.json" ${STEP_ARGS:-}
 
 run_stage scaling "$T_SCALING" \
-    "$PY" benchmarks/scaling.py --device "$DEV" --budget-gb "$SCALING_BUDGET_GB" --rel-tol 0.05 \
+    "$PY" benchmarks/memory.py scaling --device "$DEV" --budget-gb "$SCALING_BUDGET_GB" --rel-tol 0.05 \
     --time-budget $((T_SCALING - 35)) --json "$OUTDIR/scaling.json" ${SCALING_ARGS:-}
 
 run_stage largest "$T_LARGEST" \
@@ -165,33 +161,33 @@ run_stage replan "$T_REPLAN" \
     ${REPLAN_ARGS:-}
 
 run_stage gat_probe "$T_GAT_PROBE" \
-    "$PY" benchmarks/gat_probe_peak.py --device "$DEV" --models gat,gatv2 --steps 3 \
+    "$PY" benchmarks/memory.py probe-peak --device "$DEV" --models gat,gatv2 --steps 3 \
     --json "$OUTDIR/gat_probe_peak.json" ${GAT_PROBE_ARGS:-}
 
 run_stage gat_edge "$T_GAT_EDGE" \
-    "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --json "$OUTDIR/bench_gat_edge.json" \
+    "$PY" benchmarks/speed.py gat-edge --device "$DEV" --json "$OUTDIR/bench_gat_edge.json" \
     ${GAT_EDGE_ARGS:-}
 
 run_stage gatv2_edge "$T_GAT_EDGE" \
-    "$PY" benchmarks/bench_gat_edge.py --device "$DEV" --op gatv2 ${GAT_EDGE_ARGS:-}
+    "$PY" benchmarks/speed.py gat-edge --device "$DEV" --op gatv2 ${GAT_EDGE_ARGS:-}
 
 run_stage small "$T_SMALL" \
-    "$PY" benchmarks/small_graph_epoch.py --device "$DEV" --json "$OUTDIR/small_graph_epoch.json" \
+    "$PY" benchmarks/speed.py epoch --device "$DEV" --json "$OUTDIR/small_graph_epoch.json" \
     ${SMALL_ARGS:-}
 
 run_stage products "$T_PRODUCTS" \
-    "$PY" benchmarks/budget_products.py --device "$DEV" --hidden 32 --steps 4 \
+    "$PY" benchmarks/budget.py products --device "$DEV" --hidden 32 --steps 4 \
     --json "$OUTDIR/budget_products.json" ${PRODUCTS_ARGS:-}
 
 for check in forward version; do
     run_stage "host_step_$check" $((T_HOST / 3)) \
-        "$PY" benchmarks/step_time.py --device "$DEV" --models gcn --warmup 2 --steps 10 \
+        "$PY" benchmarks/speed.py step --device "$DEV" --models gcn --warmup 2 --steps 10 \
         --methods stock,L1-2bit,L1-2bit-adaptive --graph-check "$check" \
         --time-budget $((T_HOST / 3 - 15)) --json "$OUTDIR/step_check_$check.json" \
         ${HOST_STEP_ARGS:-}
 done
 run_stage host_overhead $((T_HOST / 3)) \
-    "$PY" benchmarks/host_overhead.py --device "$DEV" --model gcn \
+    "$PY" benchmarks/speed.py host --device "$DEV" --model gcn \
     ${HOST_ARGS:---nodes 4000 --edges 20000 --features 128}
 
 # suite.json and SUMMARY.md from what the stages wrote
@@ -199,7 +195,9 @@ run_stage host_overhead $((T_HOST / 3)) \
 import json, sys, time
 from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
+import importlib
+
+sys.path.insert(0, ".")
 out, stages_file, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 stages = []
 for line in stages_file.read_text().splitlines():
@@ -213,15 +211,15 @@ suite = {"stages": stages, "environment": env, "wall_seconds": int(time.time()) 
 parts = ["# GPU benchmark suite", "", "Environment:", "", *[f"    {e}" for e in env], ""]
 parts += ["| stage | exit | seconds |", "| --- | --- | ---: |"]
 parts += [f"| {s['stage']} | {s['exit']} | {s['seconds']} |" for s in stages]
-# the tables of the stages this run ran (file, stage, renderer module, title)
+# the tables of the stages this run ran (file, stage, renderer "module.function", title)
 ran = {s["stage"] for s in stages}
 renderers = [
-    ("activation_memory.json", "memory", "activation_memory", "Activation memory"),
-    ("step_time.json", "step_time", "step_time", "Step time"),
-    ("scaling.json", "scaling", "scaling", "Scaling (max depth / width)"),
-    ("largest_graph.json", "largest", "largest_graph", "Largest graph"),
+    ("activation_memory.json", "memory", "memory.activations_table", "Activation memory"),
+    ("step_time.json", "step_time", "speed.step_table", "Step time"),
+    ("scaling.json", "scaling", "memory.scaling_table", "Scaling (max depth / width)"),
+    ("largest_graph.json", "largest", "largest_graph.table", "Largest graph"),
 ]
-for fname, stage, module, title in renderers:
+for fname, stage, renderer, title in renderers:
     if stage not in ran:
         continue
     path = out / fname
@@ -231,8 +229,9 @@ for fname, stage, module, title in renderers:
         continue
     try:
         data = json.loads(path.read_text())
-        mod = __import__(module)
-        parts += [f"`{data.get('command', '')}`", "", mod.table(data["results"])]
+        module, function = renderer.split(".")
+        table = getattr(importlib.import_module(f"benchmarks.{module}"), function)
+        parts += [f"`{data.get('command', '')}`", "", table(data["results"])]
     except Exception as exc:  # keep the raw file; say why the table is missing
         parts.append(f"(could not render {fname}: {type(exc).__name__}: {exc})")
 q = out / "bench_quantize.json"

@@ -1,7 +1,7 @@
-"""`benchmarks/peak_trace.py`'s replay of an allocator trace: the blocks alive at the moment
+"""`benchmarks/memory.py trace`'s replay of an allocator trace: the blocks alive at the moment
 the most bytes were, grouped by the lines that allocated them."""
 
-from benchmarks.peak_trace import live_at_peak
+from benchmarks.memory import live_at_peak
 
 
 def _alloc(addr, size, line):

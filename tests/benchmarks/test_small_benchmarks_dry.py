@@ -1,5 +1,6 @@
-"""The GPU benchmarks of the quantizer and the small-graph epoch run in their CPU dry modes
-(the lead runs them on a GPU; a broken flag or import must fail here first)."""
+"""`benchmarks/speed.py`'s GPU measurements (the quantizer, the small-graph epoch, the host's
+work, the step time) run in their CPU dry modes (the lead runs them on a GPU; a broken flag or
+import must fail here first)."""
 
 import json
 import os
@@ -10,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, *args: str) -> None:
-    cmd = [sys.executable, f"benchmarks/{script}", *args]
+def _run(*args: str) -> None:
+    cmd = [sys.executable, "benchmarks/speed.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -19,7 +20,7 @@ def _run(script: str, *args: str) -> None:
 
 def test_bench_quantize_dry(tmp_path):
     out = tmp_path / "q.json"
-    _run("bench_quantize.py", "--dry", "--bits", "1", "2", "--json", str(out))
+    _run("quantize", "--dry", "--bits", "1", "2", "--json", str(out))
     res = json.loads(out.read_text())
     assert {(r["dtype"], r["bits"]) for r in res["rows"]} == {
         (d, b) for d in ("float32", "bfloat16") for b in (1, 2)
@@ -30,7 +31,7 @@ def test_bench_quantize_dry(tmp_path):
 
 def test_small_graph_epoch_dry(tmp_path):
     out = tmp_path / "e.json"
-    _run("small_graph_epoch.py", "--dry", "--models", "gcn", "--json", str(out))
+    _run("epoch", "--dry", "--models", "gcn", "--json", str(out))
     res = json.loads(out.read_text())
     rows = {r["method"]: r for r in res["results"]}
     assert set(rows) == {"stock", "default", "default-min_bytes0"}
@@ -45,7 +46,7 @@ def test_bench_quantize_sass_counts_instructions_without_a_gpu():
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton (its bundled ptxas and nvdisasm)")
-    cmd = [sys.executable, "benchmarks/bench_quantize.py", "--sass", "--bits", "2"]
+    cmd = [sys.executable, "benchmarks/speed.py", "quantize", "--sass", "--bits", "2"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| quantize") or
@@ -59,7 +60,7 @@ def test_bench_quantize_sass_counts_instructions_without_a_gpu():
 
 def test_host_overhead_counts_a_step(tmp_path):
     out = tmp_path / "h.json"
-    _run("host_overhead.py", "--nodes", "60", "--edges", "200", "--hidden", "8", "--features",
+    _run("host", "--nodes", "60", "--edges", "200", "--hidden", "8", "--features",
          "8", "--warmup", "2", "--steps", "2", "--methods", "stock,fixed-2bit",
          "--graph-check", "version", "--json", str(out))  # fmt: skip
     res = json.loads(out.read_text())
@@ -74,7 +75,7 @@ def test_host_overhead_counts_a_step(tmp_path):
 
 def test_step_time_passes_graph_check(tmp_path):
     out = tmp_path / "s.json"
-    _run("step_time.py", "--device", "cpu", "--scale", "0.002", "--models", "gcn", "--methods",
+    _run("step", "--device", "cpu", "--scale", "0.002", "--models", "gcn", "--methods",
          "stock,L1-2bit", "--warmup", "0", "--steps", "1", "--graph-check", "version",
          "--json", str(out))  # fmt: skip
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}

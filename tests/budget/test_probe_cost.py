@@ -23,7 +23,7 @@ CASES = [
 ]  # fmt: skip
 
 #: runs in a process of its own, the budget run first, then the models in order
-#: (`benchmarks/budget_probe_cost.py`), one JSON line each. Not the test process: several GAT
+#: (`benchmarks/budget.py probe-cost`), one JSON line each. Not the test process: several GAT
 #: steps there changed which plan later budget tests in it chose (their process-wide state).
 #: The budget run is first, as in a fresh process; each model's figures come from its own
 #: steps after those of the models before it (the benchmark's table runs them so too).
@@ -32,8 +32,7 @@ CASES = [
 #: known. Per model: what the probe adds and the two bounds.
 RUN = r"""
 import json, sys, warnings
-from benchmarks.budget_probe_cost import bounds, graph, make, measured
-from benchmarks.budget_worst_step import counted_steps
+from benchmarks.budget import bounds, counted_steps, graph, make, measured
 from gact_graph import compress_gnn
 
 warnings.simplefilter("ignore")

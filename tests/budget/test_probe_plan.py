@@ -169,13 +169,13 @@ def test_the_probe_steps_sensitivities_agree_with_the_allocators_own(name, times
 
 def test_the_probe_step_stays_within_the_planned_steps_plus_five_percent():
     """The CPU proxy of the issue's row "worst step <= the planned steps + 5 %"
-    (`benchmarks/budget_worst_step.py`), on `benchmarks/budget.py`'s GCNII (8 x 64, 4,000
+    (`benchmarks/budget.py worst-step`), on its GCNII (8 x 64, 4,000
     nodes) at 12 MiB, where the probe runs: the probe step, at the default width, against
     the planned steps after it, by the planner's counted meter and by an independent count.
     (The probe step ran the plan in force before; how much heavier that was depended on
     the plan the codec timings picked, up to 1.19x here.)"""
-    from benchmarks.budget_worst_step import _run
+    from benchmarks.budget import run_counted
 
-    out = _run("gcnii", 4, memory_budget=12 * 2**20)
+    out = run_counted("gcnii", 4, memory_budget=12 * 2**20)
     assert [s[1] for s in out["steps"]] == [False, True, False, False], out["steps"]
     assert out["worst_over_planned"] <= 1.05 and out["worst_over_planned_counted"] <= 1.05, out

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.budget_gcnii64 import StockGCNII
-from benchmarks.budget_worst_step import counted_steps
+from benchmarks.budget import StockGCNII, counted_steps
 from gact_graph import compress_gnn
 from gact_graph.budget import BudgetError
 from gact_graph.cpus import usable_cpus

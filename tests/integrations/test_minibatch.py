@@ -743,18 +743,19 @@ def test_default_mode_on_neighbor_batches_keeps_one_plan_per_tensor_role(name):
 
 
 def test_minibatch_benchmark_runs_the_emulated_neighbor_batches(monkeypatch, capsys):
-    """`benchmarks/minibatch.py --loader neighbor-emulated`, tiny: its rows count what the tests
-    above assert (one profile step, every later step at its plan's bits, none over)."""
-    from benchmarks import minibatch
+    """`benchmarks/accuracy.py minibatch --loader neighbor-emulated`, tiny: its rows count what
+    the tests above assert (one profile step, every later step at its plan's bits, none
+    over)."""
+    from benchmarks import accuracy
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     argv = [
-        "--loader", "neighbor-emulated", "--models", "sage", "--nodes", "600", "--edges", "4000",
-        "--batch-size", "64", "--epochs", "1", "--budget-factor", "1.2",
+        "minibatch", "--loader", "neighbor-emulated", "--models", "sage", "--nodes", "600",
+        "--edges", "4000", "--batch-size", "64", "--epochs", "1", "--budget-factor", "1.2",
     ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        budget, default = minibatch.main(argv)
+        budget, default = accuracy.main(argv)
     assert "| sage | budget |" in capsys.readouterr().out
     for row in (budget, default):
         assert row["steps"] == 6 and row["steps_at_plan_after_first"] == 5, row

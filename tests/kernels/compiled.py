@@ -11,7 +11,7 @@ device does, then compiles. No signature is written by hand, so none can drift f
 launcher.
 
 Used by the compile tests (``tests/kernels/test_compiled.py``) and by
-``benchmarks/bench_quantize.py --sass``.
+``benchmarks/speed.py quantize --sass``.
 """
 
 from __future__ import annotations

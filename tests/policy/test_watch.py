@@ -14,7 +14,7 @@ from gact_graph import compress_gnn
 from gact_graph.policy.watch import DivergenceError
 
 # Gradient norms of two real runs of PyG's gcn2_cora.py model (64 GCN2Conv layers, Cora,
-# `python benchmarks/divergence.py --model gcn2`, seed 0), rounded to 2 digits:
+# `python benchmarks/accuracy.py divergence --model gcn2`, seed 0), rounded to 2 digits:
 # default mode (adaptive 2 bits), steps 270-329, healthy (test accuracy 0.84, above stock):
 # the old watch warned "grew 17x" at the single spike of step 316.
 HEALTHY_GCN2 = [

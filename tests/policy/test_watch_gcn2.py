@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.utils import subgraph
 
-from benchmarks.divergence import GCN2Net
+from benchmarks.accuracy import GCN2Net
 from gact_graph import compress_gnn
 
 NODES, STEPS, LR = 300, 40, 0.03

@@ -1,5 +1,5 @@
 """GATv2 under the default (adaptive) mode: where its worst step's memory goes, measured on
-CPU with the budget planner's live-bytes meter (`benchmarks/gat_probe_peak.py`).
+CPU with the budget planner's live-bytes meter (`benchmarks/memory.py probe-peak`).
 
 The default mode's steady steps hold what fixed 2 bits holds (same bits on average, nothing
 kept twice); its re-planning steps, where the sensitivity probe replays the attention node
@@ -19,7 +19,7 @@ decides it:
 import pytest
 import torch
 
-from benchmarks.gat_probe_peak import run
+from benchmarks.memory import probe_peak_run
 from gact_graph.policy import adaptive as adaptive_module
 
 
@@ -38,7 +38,7 @@ def gatv2_peaks():
         # the complete probe's holds: `docs/results/adaptive.md`, "Spread re-estimation")
         with pytest.MonkeyPatch.context() as m:
             m.setattr(adaptive_module, "MAX_SHARES", 1)
-            return {mode: run("gatv2", adaptive, _Args, torch.device("cpu"))["steps"]
+            return {mode: probe_peak_run("gatv2", adaptive, _Args, torch.device("cpu"))["steps"]
                     for mode, adaptive in (("fixed", False), ("default", True))}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
