@@ -865,11 +865,11 @@ def _from_edge_list(
     )  # fmt: skip
 
 
-def _from_torch_csr(csr: Tensor, num_nodes: int) -> CompactAdjacency:
+def _from_torch_csr(csr: Tensor, num_nodes: int, use_values: bool = True) -> CompactAdjacency:
     _check_square(csr, num_nodes)
     rowptr = csr.crow_indices().detach().to(torch.int64, copy=True)
     col = csr.col_indices().detach().to(_index_dtype(num_nodes), copy=True)
-    weight = csr.values().detach().clone()
+    weight = csr.values().detach().clone() if use_values else None
     return CompactAdjacency(num_nodes, rowptr, col, weight, None)
 
 
@@ -952,7 +952,7 @@ def _build(
                 graph.detach(), num_nodes, add_self_loops, normalize, improved, fill_value,
                 loop_mode, dtype,
             )  # fmt: skip
-            return _from_torch_csr(csr, num_nodes)
+            return _from_torch_csr(csr, num_nodes, use_values)
         weight = None if external else edge_weight
         graph = _plain(graph)
         if graph.dtype not in _INDEX_DTYPES:  # uint8/int8/int16 (see _check_index_dtype)
