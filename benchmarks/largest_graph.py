@@ -1,274 +1,274 @@
-"""Largest graph on which full-batch 3-layer GAT and GCN complete a training step: stock PyG
-FP32 vs ``compress_gnn``.
+"""The largest graph one machine trains: each trial a fresh process, its whole pipeline counted.
 
-Graphs have ogbn-products statistics (2.45M nodes, 61.9M undirected edges: ~25.3 undirected
-edges per node, stored in both directions; 100 features; 47 classes) scaled in the number of
-nodes with the average degree kept, to below and beyond the real size. Models are the
-published ogbn setups of `gact_graph.models.preset` (GCN 3 x 256 with BatchNorm; GAT 3 layers,
-3 heads x 128, BatchNorm, residual); ``--hidden`` narrows them.
+A trial builds a graph with ogbn-products' statistics at N nodes (``load_dataset(
+"synthetic-ogbn-products", num_nodes=N)``: 25.26 undirected edges a node, stored both ways,
+100 features, 47 classes), the model, Adam, and runs ``--steps`` full-batch training steps
+(forward, cross-entropy on the training nodes, backward, optimizer step). Its peak is the
+process's peak resident set above its start (``VmHWM``; on CUDA ``max_memory_allocated``),
+graph building included; a trial fits when it completes with that peak under the ceiling. The
+parent samples the child's resident set and stops a trial that passes the ceiling.
 
-The budget (see `benchmarks/harness.py`):
+Forms of the graph input (``--forms``):
 
-- ``--device cuda``: real OOM under ``--budget-gb`` (default: the whole device), enforced with
-  ``torch.cuda.set_per_process_memory_fraction``;
-- ``--device cpu``: byte accounting (parameters, gradients, optimizer state, graph inputs and
-  saved tensors, as the controller counts them) under ``--budget-gb``.
+- ``stock-ei``: stock PyG on ``edge_index`` (int64);
+- ``stock-csr``: stock PyG on ``T.ToSparseTensor()``'s ``adj_t`` (a torch CSR tensor when
+  torch_sparse is absent, as on these machines);
+- ``stock-compact``: stock PyG on `gact_graph.datasets.compact_adj_t`;
+- ``ours-ei``: ``compress_gnn(model)`` at defaults on ``edge_index``;
+- ``ours``: ``compress_gnn(model)`` at defaults on ``load_dataset(..., compact=True)``.
 
-Graph generator (``--generator``): ``dataset`` builds each candidate with
-``load_dataset("synthetic-ogbn-products", num_nodes=N)`` (planted classes, heavy-tailed
-degrees; seconds per 100k nodes on CPU), ``fast`` draws uniform random edges with the same
-count directly on the device (what memory depends on is N, E and the feature width, not where
-the edges go); default: ``dataset`` on CPU, ``fast`` on CUDA, where candidates have millions of
-nodes.
+Models: ``gcn``, OGB's GCN (3 x 256, BatchNorm, dropout 0.5, ``cached=True``); ``gat``, a GAT
+of 3 layers with 3 heads x 64 (the ogbn preset otherwise: BatchNorm, residual, ELU).
 
-Examples::
+Per model and form: two trials at ``--slope-nodes`` give bytes a node (the slope) and the fixed
+part; the search then starts at the node count the line predicts for the ceiling and narrows
+the largest one that fits to ``--rel-tol``. The node count a 141 GB GPU would hold is computed
+from the slope and labelled so (not measured).
 
-    python benchmarks/largest_graph.py --device cuda --budget-gb 16
-    python benchmarks/largest_graph.py --device cpu --budget-gb 0.0625 --rel-tol 0.1
+    python benchmarks/largest_graph.py search --models gcn --forms stock-csr,ours --ceiling-gib 20
+    python benchmarks/largest_graph.py trial --model gcn --form ours --nodes 100000
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
+import json
+import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import (  # noqa: E402
-    GraphInputs,
-    Method,
-    StepResult,
-    budget_meaning,
-    build_model,
-    command_line,
-    cuda_budget,
-    default_methods,
-    gib,
-    names,
-    run_env,
-    run_step,
-    search_max,
-    start_run,
-    write_results,
-)
-from gact_graph.datasets import dataset_info, load_dataset  # noqa: E402
-from gact_graph.models import preset  # noqa: E402
+from benchmarks.harness import command_line, dispatch, run_env, subcommand  # noqa: E402
 
-PRODUCTS = dataset_info("ogbn-products")
-#: undirected edges per node of ogbn-products (each stored in both directions once built)
-AVG_DEGREE = PRODUCTS.num_edges / PRODUCTS.num_nodes
+FORMS = ("stock-ei", "stock-csr", "stock-compact", "ours-ei", "ours")
+MODELS = ("gcn", "gat")
+#: a 141 GB GPU (H200), for the node count the CPU slope implies
+GPU_BYTES = 141e9
 
 
-def fast_graph(num_nodes: int, device: torch.device, seed: int = 0) -> GraphInputs:
-    """Uniform random graph with products' size per node, made on ``device``: both directions
-    of ``round(AVG_DEGREE * num_nodes)`` random pairs, 100 features, 47 classes, 8% train."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    pairs = round(AVG_DEGREE * num_nodes)
-    src = torch.randint(0, num_nodes, (pairs,), device=device, generator=g)
-    dst = torch.randint(0, num_nodes, (pairs,), device=device, generator=g)
-    edge_index = torch.stack([torch.cat([src, dst]), torch.cat([dst, src])])
-    del src, dst
-    return GraphInputs(
-        x=torch.randn(num_nodes, PRODUCTS.num_features, device=device, generator=g),
-        edge_index=edge_index,
-        y=torch.randint(0, PRODUCTS.num_classes, (num_nodes,), device=device, generator=g),
-        train_mask=torch.rand(num_nodes, device=device, generator=g) < 0.08,
-    )
+def _status(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` field in bytes (0 when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
-def dataset_graph(num_nodes: int, device: torch.device, seed: int = 0) -> GraphInputs:
-    data = load_dataset("synthetic-ogbn-products", num_nodes=num_nodes, seed=seed)
-    return GraphInputs.from_data(data, device)
+def _model(name: str):
+    from gact_graph.datasets import dataset_info
+    from gact_graph.models import GCN, build_model, preset
+
+    info = dataset_info("ogbn-products")
+    if name == "gcn":  # OGB's products / arxiv GCN
+        return GCN(info.num_features, 256, info.num_classes, num_layers=3, dropout=0.5,
+                   batch_norm=True, cached=True)  # fmt: skip
+    kw = preset("gat", "ogbn-products")["model"]
+    kw.update(hidden_channels=64, heads=3, num_layers=3)
+    return build_model("gat", info.num_features, info.num_classes, **kw)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--budget-gb",
-        type=float,
-        default=None,
-        help="memory budget in GiB (default: the whole device on CUDA, 1/16 on CPU)",
-    )
-    p.add_argument("--models", default="gat,gcn")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=None, help="width (per head for GAT)")
-    p.add_argument("--bits", default="2", help="compressed methods' bits, e.g. 4,2")
-    p.add_argument("--no-adaptive", action="store_true", help="fixed bits even if adaptive works")
-    p.add_argument("--generator", choices=["dataset", "fast"], default=None)
-    p.add_argument("--unit", type=int, default=None, help="node granularity of the search")
-    p.add_argument("--max-nodes", type=int, default=None, help="cap of the search")
-    p.add_argument("--rel-tol", type=float, default=0.05)
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds for all searches (shared out evenly)",
-    )
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-v", "--verbose", action="store_true", help="print every trial")
-    p.add_argument("--json", default="results/largest_graph.json")
-    return p.parse_args(argv)
+def trial(model: str, form: str, nodes: int, steps: int, seed: int, device: str) -> dict:
+    """One trial in this process: what it held at its peak, and each step's seconds."""
+    from gact_graph import compress_gnn
+    from gact_graph.datasets import compact_adj_t, load_dataset
+
+    dev = torch.device(device)
+    on_cuda = dev.type == "cuda"
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    data = load_dataset("synthetic-ogbn-products", num_nodes=nodes, seed=seed,
+                        compact=form == "ours")  # fmt: skip
+    if form in ("stock-csr", "stock-compact"):
+        if form == "stock-csr":
+            import torch_geometric.transforms as T
+
+            data = T.ToSparseTensor()(data)
+        else:
+            data.adj_t = compact_adj_t(data.edge_index, data.num_nodes)
+            del data.edge_index
+    data = data.to(dev)
+    graph = data.adj_t if "adj_t" in data else data.edge_index
+    edges = graph.size(1) if graph.layout == torch.strided else graph._nnz()
+    torch.manual_seed(seed)
+    net = _model(model).to(dev)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    ctl = compress_gnn(net) if form.startswith("ours") else None
+    build_seconds = time.perf_counter() - t0
+    build_peak = _status("VmHWM") - base
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    mask = data.train_mask
+    seconds = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(data.x, graph)[mask], data.y[mask]).backward()
+        opt.step()
+        if ctl is not None:
+            ctl.iterate()
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        seconds.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(dev) if on_cuda else _status("VmHWM") - base
+    return {
+        "model": model, "form": form, "nodes": nodes, "edges": int(edges), "steps": steps,
+        "peak_bytes": int(peak), "build_peak_bytes": int(build_peak),
+        "build_seconds": build_seconds, "step_seconds": seconds,
+    }  # fmt: skip
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    device = start_run(args.device, args.threads)
-    on_cuda = device.type == "cuda"
-    if args.budget_gb is not None:
-        budget_gb = args.budget_gb
-    elif on_cuda:
-        budget_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
-    else:
-        budget_gb = 1 / 16
-    budget = gib(budget_gb)
-    generator = args.generator or ("fast" if on_cuda else "dataset")
-    make_graph = fast_graph if generator == "fast" else dataset_graph
-    unit = args.unit or (1024 if on_cuda else 64)  # stock GAT fits few nodes: start small
-    cap = args.max_nodes or (200_000_000 if on_cuda else 2_000_000)
-    bits = tuple(int(b) for b in args.bits.split(","))
-    methods, notes = default_methods(bits, adaptive=False if args.no_adaptive else None, l2=False)
-    models = names(args.models, lower=True)
-    env = run_env(device, budget=budget_meaning(on_cuda))
-    header = {
-        "benchmark": "largest_graph",
-        "command": command_line(argv),
-        "env": env,
-        "budget_gb": budget_gb,
-        "graph": {
-            "statistics": "ogbn-products",
-            "avg_undirected_degree": AVG_DEGREE,
-            "num_features": PRODUCTS.num_features,
-            "num_classes": PRODUCTS.num_classes,
-            "generator": generator,
-            "real_num_nodes": PRODUCTS.num_nodes,
-        },
-        "num_layers": args.num_layers,
-        "hidden": args.hidden,
-        "rel_tol": args.rel_tol,
-        "notes": notes,
-    }
-    print(f"# largest graph: {env['device']}, budget {budget_gb:g} GiB ({env['budget']})")
-    print(f"# products statistics, generator '{generator}', search unit {unit} nodes")
-    for n in notes:
-        print(f"# {n}")
+def _run_trial(args, model: str, form: str, nodes: int, ceiling: int) -> dict:
+    """`trial` in a fresh process, stopped if its resident set passes ``ceiling``."""
+    cmd = [sys.executable, __file__, "trial", "--model", model, "--form", form,
+           "--nodes", str(nodes), "--steps", str(args.steps), "--seed", str(args.seed),
+           "--device", args.device]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    over = []
 
-    out_path = Path(args.json)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    gc.freeze()
-    results: list[dict] = []
-    jobs = [(model, method) for model in models for method in methods]
-    with cuda_budget(budget, device) if on_cuda else contextlib.nullcontext():
-        for i, (model, method) in enumerate(jobs):
-            deadline = None
-            if args.time_budget is not None:
-                left = args.time_budget - (time.perf_counter() - t_start)
-                deadline = time.perf_counter() + max(0.0, left) / (len(jobs) - i)
-            res, sizes = largest(model, method, args, device, budget, make_graph, unit, cap,
-                                 deadline)  # fmt: skip
-            row = {
-                "model": model,
-                "method": method.name,
-                "compress": method.compress,
-                "max_nodes": res.best,
-                "max_edges": sizes.get(res.best),
-                "x_real_products": res.best / PRODUCTS.num_nodes,
-                **res.to_dict(),
-            }
-            results.append(row)
-            flag = " (capped)" if res.capped else " (timed out)" if res.timed_out else ""
-            if res.error:
-                flag = f" ERROR {res.error[:100]}"
-            print(
-                f"  {model:4s} {method.name:22s} -> {res.best} nodes{flag} "
-                f"[{len(res.trials)} trials, {res.seconds:.1f}s]",
-                flush=True,
-            )
-            write_results(out_path, header, results)
-    print()
-    print(table(results))
-    print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f}s)")
-    return {**header, "results": results}
+    def watch() -> None:
+        while proc.poll() is None:
+            if args.device == "cpu" and _status("VmRSS", proc.pid) > ceiling:
+                over.append(True)
+                proc.kill()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out, err = proc.communicate()
+    watcher.join()
+    row = {"model": model, "form": form, "nodes": nodes}
+    if over:
+        return {**row, "fits": False, "reason": "passed the ceiling"}
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or ["?"])[-1]
+        return {**row, "fits": False, "reason": f"exit {proc.returncode}: {last[:200]}"}
+    res = json.loads(out.strip().splitlines()[-1])
+    return {**res, "fits": res["peak_bytes"] <= ceiling}
 
 
-def largest(model, method: Method, args, device, budget, make_graph, unit, cap, deadline):
-    sizes: dict[int, int] = {}
-
-    def trial(num_nodes: int):
-        try:
-            graph = make_graph(num_nodes, device, args.seed)
-        except torch.OutOfMemoryError:  # the graph alone does not fit under the cap
-            graph = None
-        if graph is None:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            return StepResult(fits=False, reason="oom")
-        sizes[num_nodes] = graph.num_edges
-        hidden = args.hidden or preset(model, "ogbn-products")["model"]["hidden_channels"]
-
-        def make():
-            torch.manual_seed(args.seed)
-            return build_model(model, PRODUCTS.num_features, PRODUCTS.num_classes,
-                               num_layers=args.num_layers, hidden_channels=hidden)  # fmt: skip
-
-        res = run_step(make, graph, method, budget_bytes=None if device.type == "cuda" else budget)
-        del graph  # before the next candidate is made
-        if args.verbose:
-            b = res.bytes
-            print(
-                f"      {num_nodes:>10} nodes {sizes[num_nodes]:>11} edges {res.reason:6s} "
-                f"total {b.get('total', 0) / 2**20:9.1f} MiB saved {b.get('saved', 0) / 2**20:9.1f}"
-                f" MiB peak {res.peak_bytes / 2**20:9.1f} MiB {res.seconds:6.1f}s",
-                flush=True,
-            )
-        return res
-
-    res = search_max(trial, start=unit, unit=unit, cap=cap, rel_tol=args.rel_tol,
-                     deadline=deadline)  # fmt: skip
-    return res, sizes
-
-
-def _fmt(row: dict) -> str:
-    if row.get("error"):
-        return "error"
-    s = f"{row['max_nodes']:,}"
-    if row.get("capped"):
-        return ">=" + s
-    if row.get("timed_out"):
-        return f">={s}*"
-    if row.get("first_fail") is not None:
-        s += f" (fails at {row['first_fail']:,})"
-    return s
+def search(args, model: str, form: str, ceiling: int, log) -> dict:
+    """Slope from two trials, then the largest node count that fits, within ``rel_tol``."""
+    a, b = (_run_trial(args, model, form, n, ceiling) for n in args.slope_nodes)
+    log(a)
+    log(b)
+    if not (a["fits"] and b["fits"]):
+        return {
+            "model": model,
+            "form": form,
+            "error": "a slope trial did not fit",
+            "trials": [a, b],
+        }
+    slope = (b["peak_bytes"] - a["peak_bytes"]) / (b["nodes"] - a["nodes"])
+    fixed = a["peak_bytes"] - slope * a["nodes"]
+    trials = [a, b]
+    lo, hi = b["nodes"], None  # largest that fits, smallest that does not
+    guess = int((ceiling - fixed) / slope * 0.97)
+    while len(trials) < args.max_trials + 2:
+        n = guess if hi is None and guess > lo else (lo + hi) // 2 if hi else int(lo * 1.25)
+        if n <= lo or (hi is not None and hi / lo - 1 <= args.rel_tol):
+            break
+        t = _run_trial(args, model, form, n, ceiling)
+        log(t)
+        trials.append(t)
+        if t["fits"]:
+            lo = n
+        else:
+            hi = n
+        guess = 0
+    best = max((t for t in trials if t["fits"]), key=lambda t: t["nodes"])
+    return {
+        "model": model, "form": form, "bytes_per_node": slope, "fixed_bytes": fixed,
+        "max_nodes": lo, "first_fail": hi, "best": best,
+        "gpu_141gb_nodes_computed": int((GPU_BYTES - fixed) / slope), "trials": trials,
+    }  # fmt: skip
 
 
-def table(results: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
     lines = [
-        "| model | method | max nodes | edges (directed) | x real products | x stock |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model | form | bytes / node | x stock's best | largest N under the ceiling "
+        "| edges | step (s) | N on 141 GB (computed) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    stock = {r["model"]: r for r in results if r["method"].startswith("stock")}
-    for r in results:
-        base = stock.get(r["model"])
-        ratio = "-"
-        ok = base and base["max_nodes"] and not r.get("error") and not base.get("error")
-        if ok and not base.get("capped") and not base.get("timed_out"):
-            bound = ">=" if r.get("capped") or r.get("timed_out") else ""
-            ratio = f"{bound}{r['max_nodes'] / base['max_nodes']:.1f}"
-        edges = f"{r['max_edges']:,}" if r.get("max_edges") else "-"
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['form']} | {r['error']} | | | | | |")
+            continue
+        stock = [s["bytes_per_node"] for s in rows if s["model"] == r["model"]
+                 and s["form"].startswith("stock") and "error" not in s]  # fmt: skip
+        ratio = f"{min(stock) / r['bytes_per_node']:.2f}" if stock else "-"
+        fail = f" (fails at {r['first_fail']:,})" if r["first_fail"] else ""
+        step = max(r["best"]["step_seconds"])
         lines.append(
-            f"| {r['model']} | {r['method']} | {_fmt(r)} | {edges} | "
-            f"{r['x_real_products']:.3g} | {ratio} |"
+            f"| {r['model']} | {r['form']} | {r['bytes_per_node']:,.0f} | {ratio} | "
+            f"{r['max_nodes']:,}{fail} | {r['best']['edges']:,} | {step:.1f} | "
+            f"{r['gpu_141gb_nodes_computed']:,} |"
         )
     return "\n".join(lines)
+
+
+def run_search(args) -> None:
+    """Per model and form: bytes a node and the largest node count that fits the ceiling."""
+    ceiling = int(args.ceiling_gib * 2**30)
+    header = {"benchmark": "largest_graph", "command": command_line(args.argv),
+              "env": run_env(torch.device(args.device)), "ceiling_gib": args.ceiling_gib,
+              "steps": args.steps, "slope_nodes": args.slope_nodes}  # fmt: skip
+    rows = []
+
+    def log(t: dict) -> None:
+        peak = t.get("peak_bytes", 0) / 2**30
+        print(f"    {t['model']} {t['form']:13s} {t['nodes']:>10,} nodes: "
+              f"{'fits' if t['fits'] else 'no  '} {peak:6.2f} GiB "
+              f"{t.get('reason', '')} {t.get('step_seconds', '')}", flush=True)  # fmt: skip
+
+    for model in args.models.split(","):
+        for form in args.forms.split(","):
+            rows.append(search(args, model, form, ceiling, log))
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({**header, "results": rows}, indent=1))
+    print(table(rows))
+
+
+def run_trial(args) -> None:
+    """One trial in this process; prints its JSON line."""
+    print(json.dumps(trial(args.model, args.form, args.nodes, args.steps, args.seed,
+                           args.device)))  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(required=True)
+    s = subcommand(sub, run_search, "search")
+    s.add_argument("--models", default="gcn,gat")
+    s.add_argument("--forms", default="stock-csr,ours")
+    s.add_argument("--ceiling-gib", type=float, default=20.0)
+    s.add_argument("--slope-nodes", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[100_000, 200_000])  # fmt: skip
+    s.add_argument("--rel-tol", type=float, default=0.05)
+    s.add_argument("--max-trials", type=int, default=6)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--json", default="results/largest_graph.json")
+    t = subcommand(sub, run_trial, "trial")
+    t.add_argument("--model", choices=MODELS, required=True)
+    t.add_argument("--form", choices=FORMS, required=True)
+    t.add_argument("--nodes", type=int, required=True)
+    for q in (s, t):
+        q.add_argument("--steps", type=int, default=2)
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--device", default="cpu")
+    dispatch(p, argv)
 
 
 if __name__ == "__main__":

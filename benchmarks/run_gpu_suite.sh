@@ -82,12 +82,12 @@ T_PRODUCTS="${T_PRODUCTS:-150}"
 # dry-run the suite's mechanics on a machine without a GPU, with tiny sizes; SUITE_DRY_RUN=1
 # sets them all (every stage on CPU at toy sizes, about a minute; tests/benchmarks runs it).
 if [[ "${SUITE_DRY_RUN:-0}" == 1 ]]; then
-    : "${SUITE_DEVICE:=cpu}" "${SCALING_BUDGET_GB:=0.05}" "${LARGEST_BUDGET_GB:=0.02}"
+    : "${SUITE_DEVICE:=cpu}" "${SCALING_BUDGET_GB:=0.05}" "${LARGEST_BUDGET_GB:=1}"
     : "${QUANTIZE_ARGS:=--rows 2000 --repeats 2 --warmup 1}"
     : "${MEMORY_ARGS:=--scale 0.002 --models gcn --methods stock,int2}"
     : "${STEP_ARGS:=--scale 0.002 --models gcn --warmup 1 --steps 2}"
     : "${SCALING_ARGS:=--models gcn --searches depth --depth-hidden 16 --max-depth 16}"
-    : "${LARGEST_ARGS:=--models gcn --hidden 16 --max-nodes 20000}"
+    : "${LARGEST_ARGS:=--models gcn --forms ours --slope-nodes 2000,4000 --max-trials 0}"
     : "${GAT_EDGE_ARGS:=--dry-run}" "${SMALL_ARGS:=--dry}"
     : "${PRODUCTS_ARGS:=--nodes 3000 --budget 200MiB --steps 2}"
     : "${HOST_STEP_ARGS:=--scale 0.002}" "${HOST_ARGS:=--steps 5 --warmup 3 --nodes 200}"
@@ -152,9 +152,8 @@ run_stage scaling "$T_SCALING" \
     --time-budget $((T_SCALING - 35)) --json "$OUTDIR/scaling.json" ${SCALING_ARGS:-}
 
 run_stage largest "$T_LARGEST" \
-    "$PY" benchmarks/largest_graph.py --device "$DEV" --budget-gb "$LARGEST_BUDGET_GB" \
-    --rel-tol 0.1 --time-budget $((T_LARGEST - 30)) --json "$OUTDIR/largest_graph.json" \
-    ${LARGEST_ARGS:-}
+    "$PY" benchmarks/largest_graph.py search --device "$DEV" --ceiling-gib "$LARGEST_BUDGET_GB" \
+    --rel-tol 0.1 --max-trials 4 --json "$OUTDIR/largest_graph.json" ${LARGEST_ARGS:-}
 
 run_stage replan "$T_REPLAN" \
     "$PY" tests/policy/replan_time.py --device "$DEV" --scale 1 --models gat,gcn --steps 17 \

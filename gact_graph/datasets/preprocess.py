@@ -20,6 +20,8 @@ __all__ = [
     "require_files",
     "undirected_coalesced",
     "pairs_to_edge_index",
+    "pairs_to_compact_adj_t",
+    "compact_adj_t",
     "sorted_unique_",
     "index_to_mask",
     "finalize",
@@ -113,6 +115,78 @@ def pairs_to_edge_index(pairs: Tensor, num_nodes: int) -> Tensor:
     torch.div(keys, num_nodes, rounding_mode="floor", out=edge_index[0])
     torch.remainder(keys, num_nodes, out=edge_index[1])
     return edge_index
+
+
+#: index dtype of a compact adjacency: 4 bytes an edge while the edges fit
+_COMPACT_INDEX = torch.int32
+
+
+def compact_adj_t(edge_index: Tensor, num_nodes: int) -> Tensor:
+    """``edge_index`` as the smallest ``adj_t`` PyG's convolutions take: a
+    ``torch.sparse_csr_tensor`` with row = target, int32 indices and values of ones that take no
+    memory (one value seen E times): 4 bytes an edge where ``edge_index`` holds 16. Duplicate
+    edges stay separate entries (their messages add up, as over ``edge_index``). Under
+    `compress_gnn` the convolutions share its columns instead of copying the graph; stock PyG
+    takes it as any ``adj_t`` (checked on CPU)."""
+    n = int(num_nodes)
+    key = edge_index[1].to(torch.int64, copy=True).mul_(n).add_(edge_index[0])
+    if key.device.type == "cpu":
+        key.numpy().sort()
+    else:
+        key = torch.sort(key).values
+    bounds = torch.arange(n + 1, dtype=torch.int64, device=key.device).mul_(n)
+    crow = torch.searchsorted(key, bounds)
+    col = key.remainder_(n).to(_COMPACT_INDEX)
+    del key
+    return _compact(crow, col, n)
+
+
+def pairs_to_compact_adj_t(pairs: Tensor, num_nodes: int, chunk: int = 1 << 22) -> Tensor:
+    """Distinct sorted canonical pair keys ``min * N + max`` to the `compact_adj_t` of the
+    undirected graph (both directions, self-loops once), without an int64 edge list: row ``r``
+    lists the pairs' smaller ends that meet ``r`` as their larger end, then the larger ends of
+    the pairs that start at ``r``, each in ascending order, because a stable placement over the
+    sorted keys keeps that order. Temporaries are bounded by ``chunk`` keys."""
+    n = int(num_nodes)
+    ahead = torch.zeros(n, dtype=torch.int64)  # entries of row r from pairs (r, c), c >= r
+    behind = torch.zeros(n, dtype=torch.int64)  # ... from pairs (c, r), c < r
+    for lo, hi in _pair_chunks(pairs, n, chunk):
+        ahead += torch.bincount(lo, minlength=n)
+        behind += torch.bincount(hi[lo != hi], minlength=n)
+    crow = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(ahead + behind, 0, out=crow[1:])
+    col = torch.empty(int(crow[-1]), dtype=_COMPACT_INDEX)
+    ahead_start = torch.cumsum(ahead, 0) - ahead  # where row r's pairs begin in ``pairs``
+    filled_behind = crow[:-1].clone()  # next free slot of each row's first part
+    at = 0
+    for lo, hi in _pair_chunks(pairs, n, chunk):
+        idx = torch.arange(at, at + lo.numel())
+        at += lo.numel()
+        col[crow[lo] + behind[lo] + idx - ahead_start[lo]] = hi.to(_COMPACT_INDEX)
+        back = lo != hi
+        rows, cols = hi[back], lo[back]
+        order = torch.argsort(rows, stable=True)  # in-chunk ranks, key order kept per row
+        rows, cols = rows[order], cols[order]
+        counts = torch.bincount(rows, minlength=n)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(rows.numel()) - first[rows]
+        col[filled_behind[rows] + rank] = cols.to(_COMPACT_INDEX)
+        filled_behind += counts
+    return _compact(crow, col, n)
+
+
+def _pair_chunks(pairs: Tensor, n: int, chunk: int):
+    for start in range(0, pairs.numel(), chunk):
+        part = pairs[start : start + chunk]
+        lo = torch.div(part, n, rounding_mode="floor")
+        yield lo, part - lo * n
+
+
+def _compact(crow: Tensor, col: Tensor, n: int) -> Tensor:
+    from gact_graph.sparse.torch_notices import sparse_csr_tensor
+
+    ones = torch.ones(1, device=col.device).expand(col.numel())
+    return sparse_csr_tensor(crow.to(_COMPACT_INDEX), col, ones, (n, n))
 
 
 def index_to_mask(index: Tensor, size: int) -> Tensor:

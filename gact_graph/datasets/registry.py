@@ -9,7 +9,7 @@ from torch import Tensor
 from torch_geometric.data import Data
 
 from gact_graph.datasets.info import DATASETS, dataset_info
-from gact_graph.datasets.preprocess import default_root, normalized_adjacency
+from gact_graph.datasets.preprocess import compact_adj_t, default_root, normalized_adjacency
 
 __all__ = ["load_dataset", "evaluate", "available_datasets", "accuracy", "micro_f1"]
 
@@ -19,7 +19,9 @@ def available_datasets() -> list[str]:
     return list(DATASETS) + ["synthetic"] + [f"synthetic-{n}" for n in DATASETS]
 
 
-def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **kwargs) -> Data:
+def load_dataset(
+    name: str, root: str | None = None, *, adj_t: bool = False, compact: bool = False, **kwargs
+) -> Data:
     """Load a node-classification graph as one :class:`~torch_geometric.data.Data`.
 
     The result has ``x`` (float32), ``y`` (``[N]`` int64, or ``[N, L]`` float {0, 1} when
@@ -34,6 +36,10 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
             ignored for synthetic graphs. Nothing is ever downloaded.
         adj_t: also attach ``data.adj_t``, the ``torch.sparse_csr`` GCN-normalized adjacency
             (otherwise :func:`~gact_graph.datasets.normalized_adjacency` makes it on request).
+        compact: give the graph as ``data.adj_t``, the graph itself (not normalized) as
+            :func:`~gact_graph.datasets.compact_adj_t` builds it (int32 CSR, 4 bytes an edge),
+            with no ``edge_index``: pass ``data.adj_t`` where the model takes ``edge_index``.
+            Synthetic graphs are built so without an int64 edge list.
         **kwargs: loader options. Planetoid: ``normalize_features`` (default ``True``: rows
             sum to one, as the papers train). Synthetic graphs: ``scale``, ``num_nodes``,
             ``num_edges``, ``seed``, and :func:`~gact_graph.datasets.make_synthetic_graph`
@@ -48,11 +54,16 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
             f"load_dataset expects a dataset name (str), got {name!r}; one of "
             f"{available_datasets()}"
         )
+    if adj_t and compact:
+        raise ValueError(
+            "load_dataset: adj_t=True (the GCN-normalized matrix) and compact=True (the graph "
+            "itself as adj_t) both set data.adj_t; pass one"
+        )
     key = name.lower()
     if key.startswith("synthetic"):
         from gact_graph.datasets.synthetic import load_synthetic
 
-        data = load_synthetic(key, **kwargs)
+        data = load_synthetic(key, compact=compact, **kwargs)
     else:
         info = dataset_info(key)
         root = default_root() if root is None else str(root)
@@ -63,6 +74,9 @@ def load_dataset(name: str, root: str | None = None, *, adj_t: bool = False, **k
         else:
             from gact_graph.datasets.planetoid import load_planetoid as loader
         data = loader(info.name, root, **kwargs)
+        if compact:
+            data.adj_t = compact_adj_t(data.edge_index, data.num_nodes)
+            del data.edge_index
     if adj_t:
         normalized_adjacency(data)
     return data

@@ -23,6 +23,7 @@ from gact_graph.datasets.info import DatasetInfo, dataset_info
 from gact_graph.datasets.preprocess import (
     finalize,
     index_to_mask,
+    pairs_to_compact_adj_t,
     pairs_to_edge_index,
     sorted_unique_,
 )
@@ -61,6 +62,7 @@ def make_synthetic_graph(
     seed: int = 0,
     name: str = "synthetic",
     chunk_size: int = 1 << 22,
+    compact: bool = False,
 ) -> Data:
     """Build a planted-class graph.
 
@@ -83,6 +85,8 @@ def make_synthetic_graph(
         split: ``("fractions", tr, va, te)`` or ``("per_class", k, val, test)``.
         seed: the graph is a deterministic function of the arguments and this seed.
         chunk_size: edges generated per chunk (bounds temporary memory).
+        compact: give the graph as ``adj_t`` (`compact_adj_t`, 4 bytes an edge) instead of
+            ``edge_index``, built without an int64 edge list at any point.
     """
     for arg, value, least in (
         ("num_nodes", num_nodes, 2),
@@ -102,10 +106,16 @@ def make_synthetic_graph(
     group_p = torch.arange(1, num_groups + 1, dtype=torch.float).pow(-0.5)
     group = torch.multinomial(group_p / group_p.sum(), n, replacement=True, generator=g)
 
-    edge_index = _planted_edges(
+    pairs = _planted_pairs(
         group, num_groups, num_edges // 2 if stored_symmetric else num_edges,
         homophily, degree_skew, g, chunk_size,
     )  # fmt: skip
+    graph = (
+        {"adj_t": pairs_to_compact_adj_t(pairs, n)}
+        if compact
+        else {"edge_index": pairs_to_edge_index(pairs, n)}
+    )
+    del pairs
 
     scale = class_sep / math.sqrt(2 * num_features)
     centroids = torch.randn(num_groups, num_features, generator=g) * scale
@@ -125,7 +135,7 @@ def make_synthetic_graph(
             y[rows] = (torch.rand(p.shape, generator=g) < p).float()
             x[rows] += y[rows] @ label_dirs
 
-    data = Data(x=x, edge_index=edge_index, y=y, num_nodes=n)
+    data = Data(x=x, y=y, num_nodes=n, **graph)
     train, val, test = _split(group, num_groups, split, g)
     empty = [part for part, idx in (("train", train), ("val", val), ("test", test)) if not len(idx)]
     if empty:
@@ -146,7 +156,7 @@ def make_synthetic_graph(
     )
 
 
-def _planted_edges(
+def _planted_pairs(
     group: Tensor,
     num_groups: int,
     num_pairs: int,
@@ -155,7 +165,8 @@ def _planted_edges(
     g: torch.Generator,
     chunk_size: int,
 ) -> Tensor:
-    """``num_pairs`` distinct undirected edges (both directions, coalesced, no self-loops)."""
+    """``num_pairs`` distinct undirected edges, no self-loops: sorted canonical keys
+    ``min * N + max``."""
     n = group.numel()
     # Nodes sorted by group; sampling by inverse CDF over the cumulative degree propensity
     # gives weighted sampling over all nodes or, restricted to a group's range, within it.
@@ -219,7 +230,7 @@ def _planted_edges(
             keep[torch.randint(pairs.numel(), (excess,), generator=g)] = False
             excess = int(keep.sum()) - num_pairs
         pairs = pairs[keep]
-    return pairs_to_edge_index(pairs, n)
+    return pairs
 
 
 def _split(

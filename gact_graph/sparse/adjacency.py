@@ -97,6 +97,10 @@ class CompactAdjacency:
             CSR order is by (destination, source), stable among duplicates.
         weight_is_external: the graph came with a learnable ``edge_weight``; its structure is
             cached here, its weights are computed per forward (`differentiable_edge_weight`).
+        scale: float [N] or None: the matrix is ``diag(scale) (W + loop I) diag(scale)``,
+            GCN's symmetric normalization without a normalized weight per edge (`SpmmFunction`
+            forms ``W[i, j] * scale[j]`` for the length of one product).
+        loop: an implicit diagonal added to the stored entries (0: none).
 
     Duplicate edges are kept as separate entries (PyG sums their messages); isolated nodes
     simply have empty rows.
@@ -111,6 +115,8 @@ class CompactAdjacency:
         perm: Tensor | None = None,
         *,
         weight_is_external: bool = False,
+        scale: Tensor | None = None,
+        loop: float = 0.0,
     ) -> None:
         if rowptr.dtype != torch.int64 or rowptr.dim() != 1 or rowptr.numel() != num_nodes + 1:
             raise ValueError("rowptr must be int64 of length num_nodes + 1")
@@ -122,7 +128,10 @@ class CompactAdjacency:
             perm.shape != col.shape or perm.dtype not in (torch.int32, torch.int64)
         ):
             raise ValueError("perm must be an int32/int64 tensor shaped like col")
+        if scale is not None and (scale.shape != (num_nodes,) or not scale.is_floating_point()):
+            raise ValueError("scale must be a float tensor of one value per node")
         self.num_nodes = int(num_nodes)
+        self.scale, self.loop = scale, float(loop)
         self.rowptr = rowptr
         self.col = col
         self.weight = weight
@@ -146,11 +155,17 @@ class CompactAdjacency:
 
     def tensors(self, with_transpose: bool = True) -> list[Tensor]:
         """Every tensor this adjacency holds (the transpose's too, once it exists)."""
-        out = [t for t in (self.rowptr, self.col, self.weight, self.perm) if t is not None]
+        out = [
+            t for t in (self.rowptr, self.col, self.weight, self.perm, self.scale) if t is not None
+        ]
+        more = []
         if with_transpose and self._transpose is not None:
-            out += self._transpose.tensors(with_transpose=False)
-        if with_transpose and self._walk is not None:  # each tensor once (some are shared)
-            out += [t for t in self._walk if t is not None and not any(t is u for u in out)]
+            more += self._transpose.tensors(with_transpose=False)
+        if with_transpose and self._walk is not None:
+            more += self._walk
+        for t in more:  # each tensor once (the transpose shares `scale`, the walk more)
+            if t is not None and not any(t is u for u in out):
+                out.append(t)
         return out
 
     @property
@@ -232,7 +247,9 @@ class CompactAdjacency:
             self._symmetric_identity = identity
             return self
         keep = t_perm.to(_index_dtype(t_perm.numel())) if wants_perm else None
-        self._transpose = CompactAdjacency(n, t_rowptr, t_col, t_weight, keep)
+        self._transpose = CompactAdjacency(
+            n, t_rowptr, t_col, t_weight, keep, scale=self.scale, loop=self.loop
+        )
         del t_perm
         ctl = self._ctl_ref() if self._ctl_ref is not None else None
         if ctl is not None:
@@ -279,13 +296,53 @@ class CompactAdjacency:
         pos = None if torch.equal(t_perm, _arange_like(t_perm)) else t_perm
         return t_rowptr, t_col, None if pos is None else pos.to(_index_dtype(pos.numel()))
 
+    def stock_form(self, kind: str) -> Any:
+        """This matrix as stock PyG caches a normalized graph: ``(edge_index, edge_weight)``
+        (``kind="edge_index"``), a torch.sparse CSR matrix (``"torch_sparse"``) or a
+        ``torch_sparse.SparseTensor`` (``"sparse_tensor"``); edges in CSR order."""
+        a = self.explicit()
+        n = self.num_nodes
+        if kind == "edge_index":
+            return a.edge_index(), a.weight
+        if kind == "sparse_tensor":
+            return pyg_typing.SparseTensor(
+                rowptr=a.rowptr, col=a.col.long(), value=a.weight, sparse_sizes=(n, n),
+                is_sorted=True,
+            )  # fmt: skip
+        return sparse_csr_tensor(a.rowptr, a.col.long(), a.weight, (n, n))
+
+    def explicit(self) -> CompactAdjacency:
+        """The same matrix with its diagonal and normalization written into the stored
+        entries (``scale`` None, ``loop`` 0); ``self`` when they already are. Duplicate
+        positions are kept, as stored entries are (their values add up in a product)."""
+        if self.scale is None and not self.loop:
+            return self
+        n, e = self.num_nodes, self.num_edges
+        dst = self.dst_index()
+        weight = self.weight
+        if weight is None:
+            dtype = torch.float32 if self.scale is None else self.scale.dtype
+            weight = torch.ones(e, dtype=dtype, device=self.device)
+        if self.loop:
+            nodes = torch.arange(n, device=self.device)
+            key = torch.cat([dst * n + self.col.long(), nodes * (n + 1)])
+            key, order = torch.sort(key, stable=True)
+            weight = torch.cat([weight, weight.new_full((n,), self.loop)])[order]
+            dst, col = key // n, (key % n).to(self.col.dtype)
+            rowptr = _rowptr_from_sorted_counts(torch.bincount(dst, minlength=n), n)
+        else:
+            rowptr, col = self.rowptr, self.col
+        if self.scale is not None:
+            weight = self.scale[col.long()] * weight * self.scale[dst]
+        return CompactAdjacency(n, rowptr, col, weight)
+
     def to_torch_csr(self, values: Tensor | None = None, dtype: torch.dtype | None = None):
         """A `torch.sparse_csr_tensor` view for `torch.sparse.mm` (indices converted to one
         dtype, weights of ones when there are none): transient, O(N + E)."""
         if values is None:
             values = self.weight
         if values is None:
-            values = torch.ones(self.num_edges, dtype=dtype or torch.float32, device=self.device)
+            values = _ones(self.num_edges, dtype or torch.float32, self.device)
         elif dtype is not None and values.dtype != dtype:
             values = values.to(dtype)
         col = self.col
@@ -294,6 +351,14 @@ class CompactAdjacency:
         else:
             crow, col = self.rowptr, col.long()
         return sparse_csr_tensor(crow, col, values, (self.num_nodes, self.num_nodes))
+
+
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``n`` ones; on CPU one value seen ``n`` times (no memory), which MKL's CSR product
+    reads as any values tensor (GPU sparse libraries are not checked with it yet)."""
+    if device.type == "cpu":
+        return torch.ones(1, dtype=dtype, device=device).expand(n)
+    return torch.ones(n, dtype=dtype, device=device)
 
 
 def _arange_like(t: Tensor) -> Tensor:
@@ -735,6 +800,8 @@ def _from_edge_list(
     weight = None if edge_weight is None else edge_weight.detach()
     caller_weight = weight  # never kept as is: an in-place change of it must not reach us
     dis = None  # gcn: D^-1/2 of the weighted in-degrees, self-loops included
+    # gcn without edge weights, loops of weight 1: every normalized weight is a product of D^-1/2
+    unit_weights = gcn is not None and weight is None and not (gcn[0] and gcn[1])
     if replace_loops or (gcn is not None and gcn[1]):
         keep = src != dst
         kept = int(keep.sum())
@@ -786,23 +853,61 @@ def _from_edge_list(
     del bounds
     col = key.remainder_(num_nodes).to(_index_dtype(num_nodes))
     del key
-    if dis is not None:  # gcn_norm's D^-1/2[src] * w * D^-1/2[dst], in its order of products
+    scale = None
+    if dis is not None and unit_weights and not keep_perm:
+        weight, scale = None, dis  # the SpMM scales by D^-1/2 on both sides (see `scale`)
+    elif dis is not None:  # gcn_norm's D^-1/2[src] * w * D^-1/2[dst], in its order of products
         weight = dis.index_select(0, col).mul_(weight)
         weight.mul_(dis.repeat_interleave(rowptr.diff(), output_size=col.numel()))
     return CompactAdjacency(
-        num_nodes, rowptr, col, None if external else weight, perm, weight_is_external=external
-    )
+        num_nodes, rowptr, col, None if external else weight, perm, weight_is_external=external,
+        scale=scale,
+    )  # fmt: skip
 
 
-def _from_torch_csr(csr: Tensor, num_nodes: int) -> CompactAdjacency:
-    if csr.size(0) != csr.size(1) or csr.size(0) != num_nodes:
-        raise ValueError(
-            f"the sparse adjacency is {tuple(csr.shape)}, expected ({num_nodes}, {num_nodes})"
-        )
+def _from_torch_csr(csr: Tensor, num_nodes: int, use_values: bool = True) -> CompactAdjacency:
+    _check_square(csr, num_nodes)
     rowptr = csr.crow_indices().detach().to(torch.int64, copy=True)
     col = csr.col_indices().detach().to(_index_dtype(num_nodes), copy=True)
-    weight = csr.values().detach().clone()
+    weight = csr.values().detach().clone() if use_values else None
     return CompactAdjacency(num_nodes, rowptr, col, weight, None)
+
+
+def _check_square(adj: Tensor, num_nodes: int) -> None:
+    if adj.size(0) != adj.size(1) or adj.size(0) != num_nodes:
+        raise ValueError(
+            f"the sparse adjacency is {tuple(adj.shape)}, expected ({num_nodes}, {num_nodes})"
+        )
+
+
+def _sharing_torch_csr(
+    adj: Tensor, num_nodes: int, use_values: bool, gcn: tuple[bool, bool] | None
+) -> CompactAdjacency:
+    """A torch.sparse CSR matrix's adjacency on its own columns and values, no copy of them
+    (values of ones that take no memory stay implicit). ``gcn``: ``(improved,
+    add_self_loops)`` of PyG's ``gcn_norm`` on a torch.sparse matrix, ``D^-1/2 (A + fill I)
+    D^-1/2`` with ``D`` its row sums: as ``scale`` and an implicit ``loop``."""
+    _check_square(adj, num_nodes)
+    adj = adj.detach()
+    col, values = adj.col_indices(), adj.values()
+    rowptr = adj.crow_indices().to(torch.int64)
+    weight = values if use_values and not _all_ones(values) else None
+    if gcn is None:
+        return CompactAdjacency(num_nodes, rowptr, col, weight)
+    loop = (2.0 if gcn[0] else 1.0) if gcn[1] else 0.0
+    if weight is None:
+        deg = rowptr.diff().to(torch.float32)
+    else:  # row sums, in float32 at least
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        deg = torch.segment_reduce(weight.to(acc), "sum", offsets=rowptr, axis=0)
+    deg.add_(loop)
+    dis = deg.pow_(-0.5).masked_fill_(deg == float("inf"), 0).to(values.dtype)
+    return CompactAdjacency(num_nodes, rowptr, col, weight, scale=dis, loop=loop)
+
+
+def _all_ones(values: Tensor) -> bool:
+    """Values that hold one 1 seen everywhere (`compact_adj_t`'s): read as no values."""
+    return values.numel() > 0 and values.stride(0) == 0 and bool(values[0] == 1)
 
 
 def _build(
@@ -838,12 +943,16 @@ def _build(
                     else:
                         graph = pyg_typing.torch_sparse.fill_diag(graph, fill_value)
             return _from_torch_csr(graph.to_torch_sparse_csr_tensor(), num_nodes)
+        if is_torch_sparse(graph) and graph.layout == torch.sparse_csr:
+            if normalize or not add_self_loops:
+                gcn = (improved, add_self_loops) if normalize else None
+                return _sharing_torch_csr(graph, num_nodes, use_values, gcn)
         if is_torch_sparse(graph):
             csr = _pyg_sparse(
                 graph.detach(), num_nodes, add_self_loops, normalize, improved, fill_value,
                 loop_mode, dtype,
             )  # fmt: skip
-            return _from_torch_csr(csr, num_nodes)
+            return _from_torch_csr(csr, num_nodes, use_values)
         weight = None if external else edge_weight
         graph = _plain(graph)
         if graph.dtype not in _INDEX_DTYPES:  # uint8/int8/int16 (see _check_index_dtype)
@@ -996,7 +1105,7 @@ def get_adjacency(
             canon = (
                 "csr", adj.num_nodes, external, content_hash(adj.rowptr), content_hash(adj.col),
                 content_hash(adj.weight), None if adj.weight is None else adj.weight.dtype,
-                content_hash(adj.perm),
+                content_hash(adj.perm), content_hash(adj.scale), adj.loop,
             )  # fmt: skip
         cache.builds += 1
         same = cache.lookup(cache._by_content, canon)

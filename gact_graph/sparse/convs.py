@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAGEConv
 from torch_geometric.nn.aggr import MeanAggregation, SumAggregation
-from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 from gact_graph.sparse.adjacency import (
     differentiable_edge_weight,
@@ -31,7 +30,7 @@ from gact_graph.sparse.adjacency import (
 from gact_graph.sparse.amp import add_into
 from gact_graph.sparse.patching import install_forward, message_passing_reason, register_patcher
 from gact_graph.sparse.spmm import spmm
-from gact_graph.switches import once_per_graph, package_work
+from gact_graph.switches import package_work
 
 __all__ = [
     "patch_gcn_conv",
@@ -126,6 +125,7 @@ def _patch(ctl, path: str, module, fused, reason_of) -> None:
 
     def forward(*args, **kwargs):
         if _stays_generic(ctl, path, reason(args, kwargs)):
+            stock_cache(module)  # PyG's forward reads its cache slot as stock left it
             return original(*args, **kwargs)
         ctl.module_paths[path] = LABEL
         return fused(*args, **kwargs)
@@ -162,30 +162,61 @@ def _plain_graph_adjacency(ctl, edge_index, edge_weight, n: int, use_values: boo
     return adj, w
 
 
+class SharedNormalizedGraph:
+    """What a ``cached=True`` GCN-family conv holds in its own cache slot while compressed: the
+    controller's shared adjacency of the graph it first saw, instead of the conv's own normalized
+    copy of the edge list (one per layer in stock PyG). PyG's forward never reads it: the
+    fused path does; `stock_cache` turns it into stock's cache entry where PyG's own forward
+    runs on a compressed model (a call the fused path leaves to PyG). ``ctl.remove()`` empties
+    the slot again, as it was before `compress_gnn`, and so does a copy of the model
+    (``copy.deepcopy``, pickle): stock fills it again on its first call."""
+
+    def __init__(self, adj, graph_kind: str) -> None:
+        self.adj = adj
+        self.graph_kind = graph_kind  # "edge_index", "torch_sparse" or "sparse_tensor"
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
+
+
+def _cache_slot(edge_index) -> str:
+    """The slot stock PyG caches this graph's normalization in."""
+    plain = isinstance(edge_index, Tensor) and edge_index.layout == torch.strided
+    return "_cached_edge_index" if plain else "_cached_adj_t"
+
+
+def stock_cache(module) -> None:
+    """Replace a `SharedNormalizedGraph` in ``module``'s cache slots by the entry stock PyG's
+    ``gcn_norm`` would have left there (same edges and weights, in CSR order)."""
+    for slot in ("_cached_edge_index", "_cached_adj_t"):
+        held = getattr(module, slot, None)
+        if isinstance(held, SharedNormalizedGraph):
+            setattr(module, slot, held.adj.stock_form(held.graph_kind))
+
+
+def _empty_cache(module, slot: str) -> None:
+    if isinstance(getattr(module, slot, None), SharedNormalizedGraph):
+        setattr(module, slot, None)
+
+
 def _gcn_adjacency(ctl, module, edge_index, edge_weight, n: int, dtype, improved: bool):
     """The adjacency GCNConv / GCN2Conv / APPNP propagate over, with their normalization
     and ``cached`` semantics; returns (adjacency, learnable CSR weights or None)."""
     if not module.normalize:
         return _plain_graph_adjacency(ctl, edge_index, edge_weight, n, use_values=True)
-    if module.cached:
-        # Stock semantics: normalize on the first call, then reuse that graph forever. We keep
-        # the module's own cache filled exactly as PyG would, so remove() continues seamlessly.
-        if is_sparse_tensor(edge_index):
-            if module._cached_adj_t is None:
-                with once_per_graph():  # later steps reuse the module's cache
-                    module._cached_adj_t = gcn_norm(
-                        edge_index, edge_weight, n, improved, module.add_self_loops,
-                        module.flow, dtype,
-                    )  # fmt: skip
-            graph, weight = module._cached_adj_t, None
-        else:
-            if module._cached_edge_index is None:
-                with once_per_graph():  # later steps reuse the module's cache
-                    module._cached_edge_index = gcn_norm(
-                        edge_index, edge_weight, n, improved, module.add_self_loops,
-                        module.flow, dtype,
-                    )  # fmt: skip
-            graph, weight = module._cached_edge_index
+    slot = _cache_slot(edge_index)
+    held = getattr(module, slot, None) if module.cached else None
+    if isinstance(held, SharedNormalizedGraph):  # stock semantics: the first graph, forever
+        return held.adj, None
+    if held is not None:  # filled by stock PyG before compress_gnn: that graph, as PyG would
+        graph, weight = (held, None) if slot == "_cached_adj_t" else held
         adj = get_adjacency(
             ctl, graph, n, add_self_loops=False, normalize=False, edge_weight=weight
         )
@@ -200,6 +231,11 @@ def _gcn_adjacency(ctl, module, edge_index, edge_weight, n: int, dtype, improved
             adj, edge_index, edge_weight, n, add_self_loops=module.add_self_loops,
             normalize=True, improved=improved, dtype=dtype,
         )  # fmt: skip
+    elif module.cached:
+        kind = "edge_index" if slot == "_cached_edge_index" else "torch_sparse"
+        kind = "sparse_tensor" if is_sparse_tensor(edge_index) else kind
+        setattr(module, slot, SharedNormalizedGraph(adj, kind))
+        ctl.add_undo(lambda: _empty_cache(module, slot))
     return adj, w
 
 

@@ -37,10 +37,17 @@ def _chunk_bytes(ctl) -> int:
 
 
 def _message_passing_reason(module, edge_index) -> str | None:
-    """Why a MessagePassing call must take PyG's own path (None: the fused path is exact)."""
-    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+    """Why a MessagePassing call must take PyG's own path (None: the fused path is exact). A
+    torch.sparse CSR ``adj_t`` (`compact_adj_t`'s) is an edge list in CSR order to it."""
+    if not isinstance(edge_index, Tensor) or edge_index.layout not in (
+        torch.strided,
+        torch.sparse_csr,
+    ):
         return "sparse adj"
-    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+    if edge_index.layout == torch.sparse_csr:
+        if edge_index.requires_grad:
+            return "learnable sparse values"
+    elif edge_index.dim() != 2 or edge_index.size(0) != 2:
         return "edge_index shape"
     if getattr(module, "aggr", "add") not in ("add", "sum"):
         return f"aggr={module.aggr}"
@@ -288,7 +295,7 @@ def _get_adjacency(ctl, edge_index, num_nodes: int, add_self_loops: bool, stock_
     # edge).
     return get_adjacency(
         ctl, edge_index, num_nodes, add_self_loops=add_self_loops, normalize=False,
-        loop_mode="replace", keep_perm=stock_draw,
+        loop_mode="replace", keep_perm=stock_draw, use_values=False,
     )  # fmt: skip
 
 

@@ -92,15 +92,19 @@ def _result_dtype(x: Tensor, values: Tensor | None) -> torch.dtype:
 
 
 def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``A @ x`` with A = (adj structure, values) as a ``dtype`` tensor: a CSR product,
-    O(N x F + E) memory."""
+    """``A @ x`` with A = (adj structure, values, and its ``scale`` and ``loop``) as a
+    ``dtype`` tensor: a CSR product, O(N x F + E) memory."""
     n = adj.num_nodes
     x2 = _rows(x)
-    if adj.num_edges == 0 or x2.size(1) == 0:
+    if x2.size(1) == 0 or (adj.num_edges == 0 and not adj.loop):
         return x.new_zeros((n, *x.shape[1:]), dtype=dtype)
     compute = dtype
     if x.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         compute = torch.float32  # MKL's CSR product has no half kernels on CPU
+    scale = None if adj.scale is None else adj.scale.to(compute)
+    if scale is not None:  # W[i, j] * scale[j]: the rows are scaled after the product
+        col_scale = scale.index_select(0, adj.col)
+        values = col_scale if values is None else col_scale.mul_(values)
     a = adj.to_torch_csr(values, dtype=compute)
     with autocast_off(x.device):
         if x.device.type == "cpu":
@@ -109,13 +113,28 @@ def _csr_mm(adj: CompactAdjacency, values: Tensor | None, x: Tensor, dtype: torc
             # fresh buffer makes one, and is no slower (docs/results/spmm_cpu_buffer.md)
             out = x2.new_empty((n, x2.size(1)), dtype=compute)
             torch.addmm(out, a, x2.to(compute), beta=0, out=out)
-            out = out.to(dtype)
         else:  # CUDA: the one-buffer form is not yet checked on a GPU
-            out = torch.sparse.mm(a, x2.to(compute)).to(dtype)
+            out = torch.sparse.mm(a, x2.to(compute))
+        del a, values
+        if adj.loop or scale is not None:
+            _diagonal_and_scale(out, x2, adj.loop, scale)
+        out = out.to(dtype)
     if x.dim() != 2:
         # a fresh tensor, not a view: callers (GCN2Conv) modify the output in place
         out = out.reshape(n, *x.shape[1:]).clone()
     return out
+
+
+def _diagonal_and_scale(out: Tensor, x: Tensor, loop: float, scale: Tensor | None) -> None:
+    """``out`` (the stored entries' product, already scaled by ``scale`` on the right) becomes
+    ``diag(scale) (out + loop diag(scale) x)``, in place: no N x F temporary."""
+    if scale is None:
+        out.add_(x.to(out.dtype), alpha=loop)
+        return
+    s = scale.to(out.dtype).unsqueeze(1)
+    if loop:
+        out.addcmul_(x.to(out.dtype), s, value=loop)
+    out.mul_(s)
 
 
 class SpmmFunction(torch.autograd.Function):
@@ -137,7 +156,7 @@ class SpmmFunction(torch.autograd.Function):
         values = adj.weight if weight is None else weight
         if values is not None and values.numel() != adj.num_edges:
             raise ValueError("weight must hold one value per edge (CSR order)")
-        out = _csr_mm(adj, values, x, _result_dtype(x, values))
+        out = _csr_mm(adj, values, x, _result_dtype(x, adj.scale if values is None else values))
         if reduce == "mean":
             out = out / adj.degree().clamp(min=1).to(out.dtype).view(-1, *[1] * (x.dim() - 1))
 

@@ -121,3 +121,15 @@ def test_ogbn_missing_release_file_does_not_prompt(tmp_path):
     os.remove(tmp_path / "ogbn_arxiv" / "RELEASE_v1.txt")
     with pytest.raises(DatasetNotFoundError, match="RELEASE_v1.txt"):
         load_dataset("ogbn-arxiv", root=tmp_path)
+
+
+def test_ogbn_compact_gives_the_graph_as_a_compact_adj_t(tmp_path):
+    from gact_graph.datasets import compact_adj_t
+
+    write_ogbn(tmp_path, "ogbn-products")
+    full = load_dataset("ogbn-products", root=tmp_path)
+    data = load_dataset("ogbn-products", root=tmp_path, compact=True)
+    assert "edge_index" not in data and torch.equal(data.x, full.x)
+    want = compact_adj_t(full.edge_index, full.num_nodes)
+    assert torch.equal(data.adj_t.crow_indices(), want.crow_indices())
+    assert torch.equal(data.adj_t.col_indices(), want.col_indices())

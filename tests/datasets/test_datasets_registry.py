@@ -85,3 +85,8 @@ def test_normalized_adjacency_keeps_existing_self_loop_weight():
     ref_ei, ref_w = gcn_norm(ei, w, num_nodes=2)
     ref = torch.zeros(2, 2).index_put_((ref_ei[1], ref_ei[0]), ref_w, accumulate=True)
     torch.testing.assert_close(adj, ref)
+
+
+def test_compact_and_normalized_adj_t_are_one_or_the_other():
+    with pytest.raises(ValueError, match="both set data.adj_t"):
+        load_dataset("synthetic", num_nodes=50, adj_t=True, compact=True)

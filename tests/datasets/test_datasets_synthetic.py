@@ -139,3 +139,36 @@ def test_bad_sizes_are_refused_naming_them(kwargs, match):
 def test_an_edgeless_graph_is_a_graph():
     data = load_dataset("synthetic", num_nodes=40, num_edges=0)
     assert data.edge_index.shape == (2, 0) and int(data.test_mask.sum()) > 0
+
+
+def test_compact_build_is_the_same_graph_without_an_edge_list():
+    """``compact=True`` builds the graph straight from its pair keys: the same CSR as
+    `compact_adj_t` of the edge-list build (past 2^16 nodes), int32, the same features."""
+    from gact_graph.datasets import compact_adj_t, make_synthetic_graph
+
+    kwargs = dict(num_nodes=70_000, num_edges=140_000, num_features=4, num_classes=3)
+    full = make_synthetic_graph(**kwargs)
+    data = make_synthetic_graph(**kwargs, compact=True)
+    assert "edge_index" not in data and torch.equal(data.x, full.x)
+    want = compact_adj_t(full.edge_index, full.num_nodes)
+    assert data.adj_t.col_indices().dtype == torch.int32
+    assert torch.equal(data.adj_t.crow_indices(), want.crow_indices())
+    assert torch.equal(data.adj_t.col_indices(), want.col_indices())
+
+
+def test_pairs_to_compact_adj_t_across_chunks():
+    """The stable placement holds across chunk boundaries, self-loops (one entry) included."""
+    from gact_graph.datasets import compact_adj_t
+    from gact_graph.datasets.preprocess import (
+        pairs_to_compact_adj_t,
+        pairs_to_edge_index,
+        sorted_unique_,
+    )
+
+    n, g = 50, torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, n, (2, 400), generator=g)
+    pairs = sorted_unique_(torch.minimum(a, b) * n + torch.maximum(a, b))
+    got = pairs_to_compact_adj_t(pairs, n, chunk=37)
+    want = compact_adj_t(pairs_to_edge_index(pairs.clone(), n), n)
+    assert torch.equal(got.crow_indices(), want.crow_indices())
+    assert torch.equal(got.col_indices(), want.col_indices())

@@ -41,6 +41,7 @@ def _dense_from_edges(ei, w, n):
 
 
 def _dense(adj: CompactAdjacency):
+    adj = adj.explicit()
     n = adj.num_nodes
     rows = torch.repeat_interleave(torch.arange(n), adj.rowptr[1:] - adj.rowptr[:-1])
     w = torch.ones(adj.num_edges) if adj.weight is None else adj.weight
@@ -62,10 +63,13 @@ def test_gcn_normalized_edges_match_pyg(improved, loops):
         ref_ei, ref_w = gcn_norm(ei, weight, n, improved, loops, dtype=torch.float32)
         assert adj.num_edges == ref_ei.size(1)  # duplicates kept, one loop per node
         torch.testing.assert_close(_dense(adj), _dense_from_edges(ref_ei, ref_w, n))
-        # computed on the sort keys, the same edges and weights bit for bit in CSR order
+        # computed on the sort keys, the same edges and weights bit for bit in CSR order;
+        # without edge weights (or loops of weight 2) as D^-1/2 on both sides, no weights
+        assert (adj.weight is None) == (weight is None and not (improved and loops))
+        assert (adj.scale is None) == (adj.weight is not None)
         order = torch.argsort(ref_ei[1] * n + ref_ei[0], stable=True)
         assert torch.equal(adj.col.long(), ref_ei[0, order])
-        assert torch.equal(adj.weight, ref_w[order])
+        assert torch.equal(adj.explicit().weight, ref_w[order])
         if weight is not None:
             assert adj.weight.data_ptr() != weight.data_ptr()
         assert adj.rowptr.dtype == torch.int64 and adj.col.dtype == torch.int32
@@ -191,7 +195,7 @@ def test_large_graph_over_65535_nodes():
     order = torch.argsort(key, stable=True)
     got = adj.edge_index()
     assert torch.equal(got, ref_ei[:, order])
-    torch.testing.assert_close(adj.weight, ref_w[order])
+    torch.testing.assert_close(adj.explicit().weight, ref_w[order])
     assert adj.col.max().item() == n - 1
 
 

@@ -122,6 +122,7 @@ def test_saves_only_the_shared_adjacency():
     out.sum().backward()
     # learnable weights: the input x is saved (for grad_w), and only it is node-level
     saved.clear()
+    adj = adj.explicit()  # normalized weights written out, one a learnable weight per edge
     wc = adj.weight.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         spmm(adj, x, wc)
@@ -150,6 +151,8 @@ def test_backward_never_materializes_edges_times_features(learnable):
     g = torch.Generator().manual_seed(0)
     ei = torch.randint(0, n, (2, e), generator=g)
     adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
+    if learnable:  # the normalized weights written out, learnable
+        adj = adj.explicit()
     x = torch.randn(n, f, requires_grad=True)
     wc = adj.weight.clone().requires_grad_() if learnable else None
     with _LargestTensor() as fwd:
@@ -175,7 +178,8 @@ def test_cpu_product_makes_one_output_sized_tensor():
         with LiveBytes(exclude=[x]) as live:
             out = spmm(adj, x)
     assert n * f * 4 <= live.peak < 1.5 * n * f * 4, live.peak
-    ref = spmm_reference(adj.rowptr, adj.col, adj.weight, x)
+    ref_adj = adj.explicit()
+    ref = spmm_reference(ref_adj.rowptr, ref_adj.col, ref_adj.weight, x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -195,12 +199,13 @@ def test_peak_rss_stays_far_below_edges_times_features():
     x = torch.randn(n, f, requires_grad=True)
     g = torch.randn(n, f)
     adj = get_adjacency(None, ei, n, add_self_loops=True, normalize=True, dtype=torch.float32)
-    w = adj.weight.clone().requires_grad_()
+    learnable = adj.explicit()
+    w = learnable.weight.clone().requires_grad_()
     adj.transpose()
     ei2, w2 = gcn_norm(ei, None, n)
     runs = {
         "fused": lambda: spmm(adj, x),
-        "learnable": lambda: spmm(adj, x, w, chunk_bytes=8 * 2**20),
+        "learnable": lambda: spmm(learnable, x, w, chunk_bytes=8 * 2**20),
         "stock": lambda: scatter(x[ei2[0]] * w2[:, None], ei2[1], 0, dim_size=n, reduce="sum"),
     }
     extra = {}
