@@ -183,10 +183,8 @@ def _pair_chunks(pairs: Tensor, n: int, chunk: int):
 
 
 def _compact(crow: Tensor, col: Tensor, n: int) -> Tensor:
-    from gact_graph.sparse.torch_notices import sparse_csr_tensor
-
     ones = torch.ones(1, device=col.device).expand(col.numel())
-    return sparse_csr_tensor(crow.to(_COMPACT_INDEX), col, ones, (n, n))
+    return torch.sparse_csr_tensor(crow.to(_COMPACT_INDEX), col, ones, (n, n))
 
 
 def index_to_mask(index: Tensor, size: int) -> Tensor:
