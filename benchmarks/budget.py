@@ -35,11 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: import the checkout's package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import build_model, cuda_budget, dispatch, subcommand  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    GraphInputs,
+    build_model,
+    cuda_budget,
+    dispatch,
+    subcommand,
+)
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.budget import BudgetError  # noqa: E402
 from gact_graph.budget.profile import LiveBytes, PeakBytes, StepMeter  # noqa: E402
 from gact_graph.config import format_bytes, parse_bytes  # noqa: E402
+from gact_graph.datasets import dataset_info  # noqa: E402
 
 MIB = 2**20
 
@@ -926,10 +933,29 @@ def probe_cost(args) -> None:
 
 
 # ------------------------------------------------------------------------------ products
+PRODUCTS = dataset_info("ogbn-products")
+
+
+def fast_graph(num_nodes: int, device: torch.device, seed: int = 0) -> GraphInputs:
+    """Uniform random graph with products' size per node, made on ``device``: both directions
+    of products' undirected edge count per node of random pairs, 100 features, 47 classes, 8%
+    train."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pairs = round(PRODUCTS.num_edges / PRODUCTS.num_nodes * num_nodes)
+    src = torch.randint(0, num_nodes, (pairs,), device=device, generator=g)
+    dst = torch.randint(0, num_nodes, (pairs,), device=device, generator=g)
+    edge_index = torch.stack([torch.cat([src, dst]), torch.cat([dst, src])])
+    del src, dst
+    return GraphInputs(
+        x=torch.randn(num_nodes, PRODUCTS.num_features, device=device, generator=g),
+        edge_index=edge_index,
+        y=torch.randint(0, PRODUCTS.num_classes, (num_nodes,), device=device, generator=g),
+        train_mask=torch.rand(num_nodes, device=device, generator=g) < 0.08,
+    )
+
+
 def _products_attempt(graph, hidden: int, budget: int, steps: int, device: torch.device) -> dict:
     """Train the products GAT at ``hidden`` per head for ``steps`` steps under ``budget``."""
-    from benchmarks.largest_graph import PRODUCTS
-
     cuda = device.type == "cuda"
     out: dict = {"hidden_per_head": hidden, "steps": []}
     torch.manual_seed(0)
@@ -1002,7 +1028,7 @@ def products(args) -> None:
     features, 47 classes) trained full-batch under ``compress_gnn(model,
     memory_budget="16GiB")``.
 
-    The graph is `benchmarks.largest_graph.fast_graph` (uniform random pairs at products'
+    The graph is `fast_graph` (uniform random pairs at products'
     average degree, both directions, made on the device). The model is the ogbn-arxiv GAT
     preset (3 layers, 3 heads, BatchNorm, residual, ELU) at each width per head of
     ``--hidden`` in turn, widest first; the run stops at the first width that trains. Each
@@ -1019,8 +1045,6 @@ def products(args) -> None:
 
     ``--device cpu --nodes 3000 --budget 200MiB`` checks the mechanics. Prints a line per step
     and a table; writes JSON."""
-    from benchmarks.largest_graph import PRODUCTS, fast_graph
-
     args.nodes = args.nodes or PRODUCTS.num_nodes
     device = torch.device(args.device)
     budget = parse_bytes(args.budget)

@@ -10,7 +10,7 @@
 #   memory     benchmarks/memory.py activations --device cuda  saved bytes and peak per method
 #   step_time  benchmarks/speed.py step --device cuda          step time, stock vs ours
 #   scaling    benchmarks/memory.py scaling --device cuda --budget-gb 16   deepest / widest GCN, GCNII
-#   largest    benchmarks/largest_graph.py --device cuda --budget-gb 16   largest graph, GAT/GCN
+#   largest    benchmarks/largest_graph.py search --device cuda --ceiling-gib 16   largest graph
 #
 # Speed stages, run only when named in SUITE_STAGES (the default runs the five above):
 #   cuda_tests  pytest -m cuda tests                       every CUDA test, kernels included
