@@ -55,14 +55,11 @@ def _train(model, ctl, graph, steps, opt=None):
 
 def _measured_step(model, ctl, graph, opt) -> int:
     """Peak bytes of one planned step counted independently of the planner: parameters,
-    inputs and optimizer state that exist before it, plus the live tensor bytes during it."""
-    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in graph}
-    for p in model.parameters():
-        before[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    for state in opt.state.values():
-        for t in state.values():
-            before[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    with LiveBytes() as live:
+    inputs and optimizer state that exist before it, plus the live tensor bytes during it
+    (those counted once: a view of them or an in-place update is not a new tensor)."""
+    held = [*graph, *model.parameters(), *(t for s in opt.state.values() for t in s.values())]
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    with LiveBytes(exclude=held) as live:
         _train(model, ctl, graph, 1, opt)
     return sum(before.values()) + live.peak
 
