@@ -184,7 +184,10 @@ def _pair_chunks(pairs: Tensor, n: int, chunk: int):
 
 def _compact(crow: Tensor, col: Tensor, n: int) -> Tensor:
     ones = torch.ones(1, device=col.device).expand(col.numel())
-    return torch.sparse_csr_tensor(crow.to(_COMPACT_INDEX), col, ones, (n, n))
+    with warnings.catch_warnings():  # torch's notices on a CSR that holds its invariants
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
+        return torch.sparse_csr_tensor(crow.to(_COMPACT_INDEX), col, ones, (n, n))
 
 
 def index_to_mask(index: Tensor, size: int) -> Tensor:

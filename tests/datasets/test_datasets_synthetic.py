@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,6 +156,16 @@ def test_compact_build_is_the_same_graph_without_an_edge_list():
     assert data.adj_t.col_indices().dtype == torch.int32
     assert torch.equal(data.adj_t.crow_indices(), want.crow_indices())
     assert torch.equal(data.adj_t.col_indices(), want.col_indices())
+
+
+def test_a_compact_build_says_no_torch_notice():
+    """torch's notices on sparse CSR tensors (said once per process) are the package's own
+    business: a fresh process that builds a compact graph with warnings as errors runs."""
+    code = (
+        "from gact_graph.datasets import load_dataset\n"
+        "load_dataset('synthetic', num_nodes=50, compact=True)"
+    )
+    subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], check=True)
 
 
 def test_pairs_to_compact_adj_t_across_chunks():
