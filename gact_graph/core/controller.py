@@ -156,18 +156,6 @@ class Stored:
             return RowChunked(p)
         return self.unpack()
 
-    def record(self, shape, dtype) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "shape": tuple(shape),
-            "dtype": str(dtype).replace("torch.", ""),
-            "bits": self.bits,
-            "orig_bytes": self.orig_bytes,
-            "stored_bytes": self.stored_bytes,
-            "uses": 1,
-        }
-
 
 class Controller:
     """Compresses the tensors a model saves for backward. Made by `gact_graph.compress_gnn`.
