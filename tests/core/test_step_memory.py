@@ -116,6 +116,22 @@ def test_a_compact_adj_t_is_the_graph():
     ctl.remove()
 
 
+def test_a_sparse_tensor_adj_t_is_the_graph(torch_sparse):
+    """`torch_sparse.SparseTensor`: every tensor its storage holds (the cached ``rowptr`` too)."""
+    model, x, edge_index, y = _setup(seed=2)
+    adj_t = torch_sparse.SparseTensor(row=edge_index[1], col=edge_index[0], sparse_sizes=(N, N))
+    ctl = compress_gnn(model, bits=2, adaptive=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        _step(model, ctl, opt, x, adj_t, y)
+    held = [t for t in vars(adj_t.storage).values() if isinstance(t, torch.Tensor)]
+    assert any(t is adj_t.storage._rowptr for t in held)  # built by the first forward
+    fig = ctl.step_memory.figures()
+    assert fig["graph"] == _bytes(held + _cached(ctl))
+    _check_sum(fig)
+    ctl.remove()
+
+
 def test_parameters_without_an_optimizer_say_so():
     model, x, edge_index, y = _setup()
     ctl = compress_gnn(model, bits=2, adaptive=False)
