@@ -54,9 +54,8 @@ class StepMeter:
         self.start = 0
         self.available = True
 
-    def begin(self, start: bool = True) -> None:
-        """Start the step's peak anew; ``start=False`` leaves ``start`` unread on CPU (a read of
-        ``/proc/self/status``, which costs more than the reset)."""
+    def begin(self) -> None:
+        """Start the step's peak anew (process-wide: the device's peak counter is reset)."""
         if self.device.type == "cuda":
             if self.sync:
                 torch.cuda.synchronize(self.device)
@@ -66,8 +65,7 @@ class StepMeter:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            if start:
-                self.start = _anonymous("VmRSS")
+            self.start = _anonymous("VmRSS")
         except OSError:  # not Linux, or no permission: no measurement, the bound stands
             self.available = False
 

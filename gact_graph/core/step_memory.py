@@ -1,13 +1,14 @@
-"""What the last training step's peak memory is made of, for `Controller.report()`: the graph
+"""What the process's peak memory in training is made of, for `Controller.report()`: the graph
 (the root forward's index and sparse inputs, and the adjacencies cached for it), the features
 (its floating-point inputs), parameters with their gradients and optimizer state, what the
-controller stored for backward, and the working set (the rest of the measured peak).
+controller stored for backward, and the working set (the rest of the peak).
 
-Per step it reads the inputs' storages and starts a `StepMeter` at the root forward's start,
-and reads the meter at `Controller.iterate()`; the rest is counted when the report is made.
-The optimizer is found through torch's global step hook: those whose parameter groups hold
-the model's parameters, kept weakly. The meter's reset is process-wide: a peak read outside
-across several steps covers the last one only (docs/design.md, "Step memory in report()")."""
+The peak is read, never reset (a reset is process-wide: it would cut short every other
+reading of the peak, the example's and the benchmarks'): at the root forward's start and at
+`Controller.iterate()`. A step whose end reads more than its start raised the process's peak:
+its inputs and stored bytes are kept as the peak step's. The rest is counted when the report
+is made. The optimizer is found through torch's global step hook: those whose parameter
+groups hold the model's parameters, kept weakly."""
 
 from __future__ import annotations
 
@@ -87,10 +88,14 @@ class StepMemory:
     def __init__(self, ctl) -> None:
         self.ctl = ctl
         self.graph_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
-        self.peak: int | None = None  # the last step's, read at `iterate()`
-        self.saved = 0
+        #: the process's peak as last read, and the step that raised it to that (None: no
+        #: step rose above what the process held before training)
+        self.peak: int | None = None
+        self.peak_step: int | None = None
+        self.saved = 0  # what the peak step stored
         self._meter: StepMeter | None = None
-        self._began = False  # the meter runs: a training forward began since `iterate()`
+        self._before: int | None = None  # the peak at this step's start; None: no step runs
+        self._step_inputs: tuple[dict[tuple, int], dict[tuple, int]] = ({}, {})
         self._inputs: tuple[dict[tuple, int], dict[tuple, int]] = ({}, {})  # graph, features
         self._optimizers, self._others = weakref.WeakSet(), weakref.WeakSet()
         me = weakref.ref(self)  # torch's hook table must not keep the controller alive
@@ -113,8 +118,8 @@ class StepMemory:
         (self._optimizers if holds else self._others).add(optimizer)
 
     def _begin(self, module, args, kwargs) -> None:
-        """The root forward's pre-hook: the step's first training forward starts the meter."""
-        if not self.ctl.compressing or self._began:
+        """The root forward's pre-hook: the step's first training forward reads the peak."""
+        if not self.ctl.compressing or self._before is not None:
             return
         graph, features = [], []
         for o in _leaves((args, kwargs)):
@@ -125,25 +130,35 @@ class StepMemory:
                     graph.append(o)
             else:  # a sparse adjacency
                 graph += _parts(o)
-        self._inputs = (_storages(graph), _storages(features))
+        self._step_inputs = (_storages(graph), _storages(features))
         cuda = [t.device for t in graph + features if t.is_cuda]
         device = cuda[0] if cuda else torch.device("cpu")
         if self._meter is None or self._meter.device != device:
             self._meter = StepMeter(device, sync=False)
-        self._meter.begin(start=False)
-        self._began = True
+        self._before = self._meter.peak() or 0
+        if self.peak is not None and self._before > self.peak:  # raised outside training
+            self.peak_step = None
 
     def end(self, records: list[dict[str, Any]]) -> None:
-        """At `iterate()`: the step's peak, and what the controller stored (as `stats()`)."""
-        if self._began:
-            self._began, self.peak = False, self._meter.peak()
+        """At `iterate()`: the peak now; if the step raised it, its inputs and what the
+        controller stored (as `stats()`) are the peak step's."""
+        before, self._before = self._before, None
+        if before is None or (now := self._meter.peak()) is None:
+            return
+        self.peak = now
+        if now > before:
+            self.peak_step = self.ctl.step
+        if now > before or self.peak_step is None:  # else the peak step's figures stay
+            self._inputs = self._step_inputs
             kept = ("param", "input")
             self.saved = sum(r["stored_bytes"] for r in records if r["kind"] not in kept)
 
     def figures(self) -> dict[str, Any]:
-        """Bytes of each part of the last step's peak (``working_set`` and ``peak`` None where
-        the peak could not be read); the graph's caches, parameters and optimizer state as
-        they are now. ``optimizer``: whether an optimizer of these parameters has stepped."""
+        """Bytes of each part of the process's peak (``working_set`` and ``peak`` None where
+        the peak could not be read); the peak step's inputs and stored bytes, the graph's
+        caches, parameters and optimizer state as they are now. ``optimizer``: whether an
+        optimizer of these parameters has stepped; ``step``: the peak step (None: the peak
+        was set before training)."""
         seen: dict[tuple, int] = {}
         graph = _count(seen, self._inputs[0])
         cached = [t for source in self.graph_sources for t in source()]
@@ -156,7 +171,12 @@ class StepMemory:
         weights = _count(seen, _storages(params + grads + _leaves(state)))
         out = {"graph": graph, "features": features, "parameters": weights, "saved": self.saved}
         out["working_set"] = None if self.peak is None else self.peak - sum(out.values())
-        return {**out, "peak": self.peak, "optimizer": bool(self._optimizers)}
+        return {
+            **out,
+            "peak": self.peak,
+            "step": self.peak_step,
+            "optimizer": bool(self._optimizers),
+        }
 
     def report(self) -> str:
         if self._meter is None:
@@ -164,7 +184,8 @@ class StepMemory:
         f = self.figures()
         cuda = self._meter.device.type == "cuda"
         what = "CUDA max_memory_allocated" if cuda else "the anonymous resident set"
-        rows = [f"step memory (the last step's peak: {what})"]
+        when = "before training" if f["step"] is None else f"in step {f['step']}"
+        rows = [f"step memory (the process's peak, {what}, set {when})"]
         for key in ("graph", "features", "parameters", "saved", "working_set", "peak"):
             name = _NAMES.get(key, key.replace("_", " "))
             value = "n/a" if f[key] is None else f"{f[key] / 2**20:.3f}"
