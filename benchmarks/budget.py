@@ -44,8 +44,9 @@ from benchmarks.harness import (  # noqa: E402
 )
 from gact_graph import compress_gnn  # noqa: E402
 from gact_graph.budget import BudgetError  # noqa: E402
-from gact_graph.budget.profile import LiveBytes, PeakBytes, StepMeter  # noqa: E402
+from gact_graph.budget.profile import LiveBytes, PeakBytes  # noqa: E402
 from gact_graph.config import format_bytes, parse_bytes  # noqa: E402
+from gact_graph.core.meter import StepMeter  # noqa: E402
 from gact_graph.datasets import dataset_info  # noqa: E402
 
 MIB = 2**20

@@ -121,7 +121,7 @@ from gact_graph.budget.measure import forward_lower_bound, profile_figures, segm
 from gact_graph.budget.planner import Unit, load_solver
 from gact_graph.budget.probe_cost import BackwardReads
 from gact_graph.budget.probe_step import ProbeStep, ProfileInputs
-from gact_graph.budget.profile import CodecTimer, LiveBytes, PeakBytes, StepMeter, TensorInfo
+from gact_graph.budget.profile import CodecTimer, LiveBytes, PeakBytes, TensorInfo
 from gact_graph.budget.rectifier import replan
 from gact_graph.budget.report import METERS, budget_report
 from gact_graph.budget.resume import PlannerState
@@ -130,6 +130,7 @@ from gact_graph.budget.state import PlanState, SizeClasses
 from gact_graph.budget.units import build_units
 from gact_graph.config import FIXED_BITS, format_bytes
 from gact_graph.core.controller import Controller
+from gact_graph.core.meter import StepMeter
 from gact_graph.core.saved import tensors_in
 from gact_graph.policy.adaptive import Adapter
 from gact_graph.policy.levels import CheckpointManager, SwapManager

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from gact_graph.budget.profile import LiveBytes, PeakBytes, StepMeter, TensorInfo, compressed_bytes
+from gact_graph.budget.profile import LiveBytes, PeakBytes, TensorInfo, compressed_bytes
+from gact_graph.core.meter import StepMeter
 
 __all__ = [
     "LowerBound",

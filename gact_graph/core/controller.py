@@ -43,6 +43,7 @@ from gact_graph.core.saved import (
     tensors_in,
     view_bytes,
 )
+from gact_graph.core.step_memory import StepMemory
 from gact_graph.kernels.bitpack import PackedMask
 from gact_graph.switches import is_reading_rows, package_work
 
@@ -156,18 +157,6 @@ class Stored:
             return RowChunked(p)
         return self.unpack()
 
-    def record(self, shape, dtype) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "shape": tuple(shape),
-            "dtype": str(dtype).replace("torch.", ""),
-            "bits": self.bits,
-            "orig_bytes": self.orig_bytes,
-            "stored_bytes": self.stored_bytes,
-            "uses": 1,
-        }
-
 
 class Controller:
     """Compresses the tensors a model saves for backward. Made by `gact_graph.compress_gnn`.
@@ -210,7 +199,7 @@ class Controller:
         #: ``fn(name) -> bits`` (None/32: lossless) that overrides ``plan`` and the adapter for
         #: every tensor (the memory-budget planner, `gact_graph.budget`, sets it).
         self.bits_policy: Callable[[str], int | None] | None = None
-        #: ``fn() -> str`` whose lines `report()` appends (the memory-budget plan).
+        #: ``fn() -> str`` whose lines `report()` appends (step memory, the memory-budget plan).
         self.report_extra: list[Callable[[], str]] = []
         #: the fewest bits a quantized tensor gets outside a memory budget (32: kept exact);
         #: the gradient watch raises it to rescue a diverging fixed-bit run
@@ -245,6 +234,7 @@ class Controller:
 
         if self.config.opt_level != "L0":
             self._install()
+        self.step_memory = StepMemory(self)  # what the last step's peak is made of (`report()`)
         for module in model.modules():
             _OWNERS[module] = weakref.ref(self)
         model._gact_graph_controller = self
@@ -652,6 +642,7 @@ class Controller:
         adaptive planner calls it when it re-estimates sensitivities. Fixed-bit compression
         needs none.
         """
+        self.step_memory.end(self._records)
         if self.adapter is not None:
             self.adapter.maybe_adapt(self, step_fn)
         for hook in self._step_hooks:
@@ -729,11 +720,9 @@ class Controller:
             f"{tot['stored_bytes'] / 2**20:>10.3f}"
         )
         if self.adapter is not None:  # bits and sensitivity per tensor
-            rows.append("")
-            rows.append(self.adapter.report(self.plan))
-        for extra in self.report_extra:  # e.g. the memory-budget plan, predicted vs measured
-            rows.append("")
-            rows.append(extra())
+            rows += ["", self.adapter.report(self.plan)]
+        for extra in self.report_extra:  # the step's memory, the memory-budget plan
+            rows += ["", extra()]
         return "\n".join(rows)
 
     def plot_bits(self, path: str) -> str:

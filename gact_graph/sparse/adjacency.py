@@ -552,6 +552,10 @@ class AdjacencyCache:
         entry = table[key] = _Entry(adj, list(refs), digest)
         return entry
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors of the adjacencies it holds."""
+        return [t for adj in self._recent.values() for t in adj.tensors()]
+
     def prune(self) -> None:
         """Drop entries whose source storage or adjacency is gone."""
         for table in (self._by_identity, self._by_content):
@@ -562,20 +566,16 @@ class AdjacencyCache:
 def _cache_of(ctl) -> AdjacencyCache:
     cache = getattr(ctl, "_gg_adjacency_cache", None)
     if cache is None:
-        max_graphs = DEFAULT_MAX_GRAPHS
-        config = getattr(ctl, "config", None)
-        if config is not None:
-            max_graphs = int(config.extra.get("max_graphs", DEFAULT_MAX_GRAPHS))
-        cache = AdjacencyCache(max_graphs)
+        cache = AdjacencyCache(int(ctl.config.extra.get("max_graphs", DEFAULT_MAX_GRAPHS)))
         ctl._gg_adjacency_cache = cache
-        if hasattr(ctl, "add_undo"):
+        ctl.step_memory.graph_sources.append(cache.tensors)  # the graph's row of `report()`
 
-            def undo() -> None:
-                cache.clear()
-                if getattr(ctl, "_gg_adjacency_cache", None) is cache:
-                    del ctl._gg_adjacency_cache
+        def undo() -> None:
+            cache.clear()
+            if getattr(ctl, "_gg_adjacency_cache", None) is cache:
+                del ctl._gg_adjacency_cache
 
-            ctl.add_undo(undo)
+        ctl.add_undo(undo)
     return cache
 
 
