@@ -201,7 +201,6 @@ OVERSIZED = {
     "kernels/quantize.py": 874,
     "policy/adaptive.py": 1062,
     "policy/adaptive.py::Adapter": 659,
-    "sparse/adjacency.py": 1180,
 }
 
 
