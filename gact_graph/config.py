@@ -112,7 +112,7 @@ def _option_error(name: str, value: Any) -> str | None:
 
 #: What ``on_divergence`` may say (`gact_graph.policy.watch`).
 ON_DIVERGENCE = ("rescue", "warn", "raise")
-#: What ``graph_check`` may say (`gact_graph.sparse.adjacency`).
+#: What ``graph_check`` may say (`gact_graph.sparse.adjacency_cache`).
 GRAPH_CHECKS = ("forward", "version")
 #: Optimization levels (GACT/ActNN style). L0: off. L1: compression. L2: L1 + swap of compressed
 #: tensors to pinned CPU memory. CB1: L1 + activation checkpointing with compressed segments.

@@ -1,6 +1,6 @@
 """The adjacency cache's content hash in one Triton launch (a graph's check in each forward).
 
-`gact_graph.sparse.adjacency` hashes a graph's tensors (the edge index, its weights) to see
+`gact_graph.sparse.content_hash` hashes a graph's tensors (the edge index, its weights) to see
 whether a cached adjacency still matches them. The PyTorch version makes a dozen elementwise
 passes per chunk of the tensor, each one a kernel launch and an int64 temporary; this kernel
 reads each element once and writes nothing but the two sums. Per element ``i`` with value

@@ -2,7 +2,8 @@
 Functions that save only node-level tensors, and patching of known PyG convolutions."""
 
 from gact_graph.sparse import gat_convs  # noqa: F401  (registers the GATConv/GATv2Conv patchers)
-from gact_graph.sparse.adjacency import CompactAdjacency, differentiable_edge_weight, get_adjacency
+from gact_graph.sparse.adjacency import CompactAdjacency
+from gact_graph.sparse.adjacency_build import differentiable_edge_weight, get_adjacency
 from gact_graph.sparse.patching import install_sparse_paths, register_patcher
 from gact_graph.sparse.spmm import SpmmFunction, spmm
 

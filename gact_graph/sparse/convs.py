@@ -20,11 +20,10 @@ from torch import Tensor
 from torch_geometric.nn import APPNP, GCN2Conv, GCNConv, GINConv, GraphConv, SAGEConv
 from torch_geometric.nn.aggr import MeanAggregation, SumAggregation
 
-from gact_graph.sparse.adjacency import (
+from gact_graph.sparse.adjacency import is_sparse_tensor, is_torch_sparse
+from gact_graph.sparse.adjacency_build import (
     differentiable_edge_weight,
     get_adjacency,
-    is_sparse_tensor,
-    is_torch_sparse,
     pyg_edge_list,
 )
 from gact_graph.sparse.amp import add_into

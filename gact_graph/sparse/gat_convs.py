@@ -15,7 +15,7 @@ from torch.nn.parameter import is_lazy
 from torch_geometric.nn import GATConv, GATv2Conv
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
-from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
 from gact_graph.sparse.amp import add_into, autocast_off
 from gact_graph.sparse.edge_chunks import DEFAULT_CHUNK_BYTES
 from gact_graph.sparse.gat import gat_attention

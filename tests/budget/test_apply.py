@@ -713,7 +713,7 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(least, mo
     by 32 MiB. The named least budget does count it: a rerun at that budget (a fresh process)
     builds the adjacency again in its own profile step; and a budget below what the profile
     step held, build included, is refused."""
-    from gact_graph.sparse import adjacency
+    from gact_graph.sparse import adjacency_build
 
     def run():
         model = _model()
@@ -729,7 +729,7 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(least, mo
 
     _ = run()  # the process's first run creates objects after its peak (see `least`)
     plain = run()
-    build = adjacency._build
+    build = adjacency_build._build
 
     def wasteful(*args, **kwargs):
         scratch = torch.ones(8 * 2**20)  # 32 MiB held while building
@@ -737,7 +737,7 @@ def test_a_graphs_adjacency_build_is_left_out_of_what_later_steps_hold(least, mo
         del scratch
         return adj
 
-    monkeypatch.setattr(adjacency, "_build", wasteful)
+    monkeypatch.setattr(adjacency_build, "_build", wasteful)
     figures, st = run()
     assert figures == plain[0]
     assert st.profile_whole >= 32 * 2**20 > plain[1].profile_whole  # the build's 32 MiB

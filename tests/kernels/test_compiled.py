@@ -264,14 +264,14 @@ def test_mask_packing_compiles(capability, monkeypatch):
 def test_content_hash_compiles(dtype, capability, monkeypatch):
     """Every dtype the kernel reads (each its own load and widening to 64 bits), through the
     adjacency cache's hash of a tensor, with the cache's multipliers."""
-    from gact_graph.sparse import adjacency
+    from gact_graph.sparse import content_hash as hashing
 
     monkeypatch.setenv("GACT_GRAPH_FORCE_TRITON", "1")
     t = torch.arange(5000).to(dtype)
     # the kernel counts as checked already: its first use would compare its (unrun) output
-    monkeypatch.setattr(adjacency, "_TRITON_HASH_TRUSTED", {(t.device, dtype): True})
+    monkeypatch.setattr(hashing, "_TRITON_HASH_TRUSTED", {(t.device, dtype): True})
     with recorded_launches(ch._hash_kernel) as launches:
-        adjacency._hash_pair(t)
+        hashing.hash_pair(t)
     compile_all(launches, capability)
 
 

@@ -42,7 +42,7 @@ from torch_geometric.utils import to_torch_csr_tensor
 
 from gact_graph import compress_gnn
 from gact_graph.models import GAT, GCN, GCNII
-from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
 from gact_graph.sparse.gat import gat_attention
 from gact_graph.sparse.gatv2 import gatv2_attention
 from gact_graph.sparse.spmm import spmm

@@ -20,7 +20,7 @@ from torch_geometric.nn import (
 
 from gact_graph import compress_gnn
 from gact_graph.datasets import compact_adj_t
-from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

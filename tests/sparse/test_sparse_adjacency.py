@@ -11,7 +11,11 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.utils import add_remaining_self_loops, add_self_loops, remove_self_loops
 
 from gact_graph import CompressionConfig, Controller
-from gact_graph.sparse.adjacency import CompactAdjacency, content_hash, get_adjacency
+from gact_graph.sparse import adjacency_build, adjacency_cache
+from gact_graph.sparse import content_hash as hashing
+from gact_graph.sparse.adjacency import CompactAdjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
+from gact_graph.sparse.content_hash import content_hash
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
@@ -262,13 +266,14 @@ def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
     cached): the build, its canonical hash and the transpose run inside
     `gact_graph.switches.once_per_graph`; a cache hit (same tensors, or equal ones: hashed) builds
     nothing."""
-    from gact_graph.sparse import adjacency
     from gact_graph.switches import is_once_per_graph
 
     seen = []
-    for owner, name in ((adjacency, "_build"), (adjacency, "content_hash"),
-                        (adjacency, "_hash_pair"),
-                        (adjacency.CompactAdjacency, "_build_transpose")):  # fmt: skip
+    # each module's own reference: the build's and the cache's imports, the hash's inner call
+    spied = ((adjacency_build, "_build"), (adjacency_build, "content_hash"),
+             (adjacency_cache, "content_hash"), (adjacency_cache, "hash_pair"),
+             (hashing, "hash_pair"), (CompactAdjacency, "_build_transpose"))  # fmt: skip
+    for owner, name in spied:
         real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -287,7 +292,7 @@ def test_building_is_once_per_graph_work_and_a_cache_hit_is_not(monkeypatch):
     assert get_adjacency(ctl, ei.clone(), n, add_self_loops=False) is adj  # content hit
     # only the inputs' hashes (the content check of the same tensors, the content key of the
     # new one), outside: they recur when a loop makes new tensors each step
-    assert seen and all(s == ("_hash_pair", False) for s in seen)
+    assert seen and all(s == ("hash_pair", False) for s in seen)
     seen.clear()
     adj.transpose()
     adj.transpose()
@@ -331,32 +336,28 @@ def test_content_hash_holds_four_chunks_and_leaves_its_input(monkeypatch):
     (2^16 elements on CPU) with four chunk-sized int64 tensors at once (seven of 2^20 before:
     on a small graph seven edge-index copies, the first step's peak), in place only on its
     own; its value does not depend on the chunk size (CPU and GPU chunks differ)."""
-    from gact_graph.sparse import adjacency
-
     ei = torch.randint(0, 10**6, (2, 1_500_000), generator=torch.Generator().manual_seed(1))
     before = ei.clone()
     with _Live(ei) as live:
         h = content_hash(ei)
     assert torch.equal(ei, before)
-    chunk = adjacency._hash_chunk(ei.device) * 8
+    chunk = hashing._hash_chunk(ei.device) * 8
     assert chunk <= 2**19
     assert live.peak <= 4 * chunk + 4096, live.peak / chunk
     assert h == content_hash(ei.to(torch.int32)) and h != content_hash(ei.flip(1))
-    monkeypatch.setattr(adjacency, "_hash_chunk", lambda device: 12_345)
+    monkeypatch.setattr(hashing, "_hash_chunk", lambda device: 12_345)
     assert content_hash(ei) == h
 
 
 def _hash_pair_reference(t: torch.Tensor) -> torch.Tensor:
     """The content hash's two int64 sums in one pass over the whole tensor (no chunks)."""
-    from gact_graph.sparse import adjacency as a
-
-    v = a._as_int64_values(t.reshape(-1))
+    v = hashing._as_int64_values(t.reshape(-1))
     m = torch.arange(v.numel(), dtype=torch.int64)
-    m = m * a._M1
-    m = (m ^ (m >> 31)) * a._M2
+    m = m * hashing._M1
+    m = (m ^ (m >> 31)) * hashing._M2
     m = m ^ (m >> 27)
-    x = (v ^ m) * a._M3
-    y = (v + m) * a._M1
+    x = (v ^ m) * hashing._M3
+    y = (v + m) * hashing._M1
     return torch.stack(((x ^ (x >> 29)).sum(), (y ^ (y >> 32)).sum()))
 
 
@@ -364,15 +365,13 @@ def _hash_pair_reference(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("numel", [0, 1, 4096, 10_001])
 def test_hash_pair_equals_its_one_pass_reference(monkeypatch, chunk, numel):
     """One chunk (the hash is its own pair) and several (summed) give the one-pass sums."""
-    from gact_graph.sparse import adjacency
-
     if chunk is not None:
-        monkeypatch.setattr(adjacency, "_hash_chunk", lambda device: chunk)
+        monkeypatch.setattr(hashing, "_hash_chunk", lambda device: chunk)
     gen = torch.Generator().manual_seed(numel)
     for t in (torch.randint(-(2**40), 2**40, (numel,), generator=gen),
               torch.randn(numel, generator=gen)):  # fmt: skip
         before = t.clone()
-        got = adjacency._hash_pair(t)
+        got = hashing.hash_pair(t)
         assert torch.equal(t, before)
         assert got.dtype == torch.int64 and got.shape == (2,)
         assert torch.equal(got, _hash_pair_reference(t))

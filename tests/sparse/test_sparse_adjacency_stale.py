@@ -11,7 +11,8 @@ from torch import nn
 from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
 from gact_graph import compress_gnn
-from gact_graph.sparse import adjacency
+from gact_graph.sparse import adjacency_cache
+from gact_graph.sparse import content_hash as hashing
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
@@ -120,12 +121,25 @@ def test_sparse_values_written_through_data_are_seen():
     ctl.remove()
 
 
+def _hash_passes(monkeypatch) -> list[int]:
+    """The sizes of the hash passes that follow: the cache's (its content check and keys) and
+    `content_hash`'s own, each module holding its own reference to `hash_pair`."""
+    calls = []
+    real = hashing.hash_pair
+
+    def spy(t):
+        calls.append(t.numel())
+        return real(t)
+
+    for owner in (hashing, adjacency_cache):
+        monkeypatch.setattr(owner, "hash_pair", spy)
+    return calls
+
+
 def test_checked_once_per_forward_and_rebuilt_only_on_change(monkeypatch):
     """Every layer of a training forward gets the adjacency; the content check runs once per
     graph per forward (not once per layer), and nothing is rebuilt while the content holds."""
-    calls = []
-    real = adjacency._hash_pair
-    monkeypatch.setattr(adjacency, "_hash_pair", lambda t: calls.append(t.numel()) or real(t))
+    calls = _hash_passes(monkeypatch)
     stock, ours, ctl = _pair(CONVS["gcn"])
     buf = np.random.default_rng(5).integers(0, N, (2, E))
     ei = torch.from_numpy(buf)
@@ -148,9 +162,7 @@ def test_graph_check_version_trusts_the_version_counter(monkeypatch):
     """``graph_check="version"`` makes no content pass on a graph found by identity (no host
     read on a GPU), and so, as documented, does not see a write that bypasses the version
     counter; an ordinary in-place write (a version bump) is still seen."""
-    calls = []
-    real = adjacency._hash_pair
-    monkeypatch.setattr(adjacency, "_hash_pair", lambda t: calls.append(t.numel()) or real(t))
+    calls = _hash_passes(monkeypatch)
     torch.manual_seed(0)
     ours = _Net(CONVS["gcn"])
     ctl = compress_gnn(ours, bits=None, graph_check="version")

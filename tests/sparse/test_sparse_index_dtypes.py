@@ -10,7 +10,7 @@ from torch import nn
 from torch_geometric.nn import APPNP, GATConv, GATv2Conv, GCN2Conv, GCNConv, GINConv, SAGEConv
 
 from gact_graph import compress_gnn
-from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gact_graph.sparse.adjacency import get_adjacency
+from gact_graph.sparse.adjacency_build import get_adjacency
 from gact_graph.sparse.spmm import SpmmFunction, spmm, spmm_reference
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
