@@ -13,12 +13,14 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from gact_graph.cpus import usable_cpus
 from tests.kernels.interpreted import InterpretedRuns
 
-# torch counts the machine's CPUs; a container or CI job granted fewer (affinity, cgroup quota)
-# oversubscribes and every OpenMP barrier waits: the suite ran 10-70x slower that way.
-torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
+# One torch thread for the session: the interpreted kernel runs take another core beside the
+# tests, and a machine shared with other jobs (or granted fewer CPUs than it has: affinity,
+# cgroup quota) parks threads, where every OpenMP barrier waits for them; the suite's graphs are
+# small enough that a second thread gains little even on an idle machine. A test that needs
+# another count sets it and puts it back.
+torch.set_num_threads(1)
 
 #: the session's `InterpretedRuns`
 INTERPRETED_RUNS = pytest.StashKey[InterpretedRuns]()

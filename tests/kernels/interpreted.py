@@ -187,12 +187,11 @@ class InterpretedRuns:
         if self.proc is not None or not cases or INTERPRETED or not HAS_TRITON:
             return
         cmd = [sys.executable, "-c", DRIVER, json.dumps(cases), str(self.out)]
-        # files, not pipes: a pipe nobody reads while the tests run would fill and stall it
+        # files, not pipes: a pipe nobody reads while the tests run would fill and stall it;
+        # one torch thread, as the tests' own process (conftest.py): the two share the cores
+        env = subprocess_env(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
         with open(self.tmp / "stdout", "w") as out, open(self.tmp / "stderr", "w") as err:
-            self.proc = subprocess.Popen(
-                cmd, env=subprocess_env(TRITON_INTERPRET="1"), cwd=REPO, stdout=out, stderr=err,
-                text=True,
-            )  # fmt: skip
+            self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True)
         self.started = time.monotonic()
 
     def stop(self) -> None:
