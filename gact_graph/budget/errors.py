@@ -23,9 +23,7 @@ class BudgetError(ValueError):
     budget in bytes that the message names; ``exact``: whether the planner admits it (False:
     a lower bound, where the message says "at least", from the forward's shapes alone)."""
 
-    def __init__(
-        self, message: str, least_budget: int | None = None, exact: bool = True
-    ) -> None:
+    def __init__(self, message: str, least_budget: int | None = None, exact: bool = True) -> None:
         super().__init__(message)
         self.least_budget = least_budget
         self.exact = exact

@@ -100,8 +100,12 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
 }  # fmt: skip
 
 # GATv2 trains with GAT's setups (Brody et al. keep the GAT hyperparameters they compare with).
-PRESETS.update({("gatv2", family): copy.deepcopy(PRESETS[("gat", family)])
-                for family in ("ogb", "planetoid", "synthetic")})
+PRESETS.update(
+    {
+        ("gatv2", family): copy.deepcopy(PRESETS[("gat", family)])
+        for family in ("ogb", "planetoid", "synthetic")
+    }
+)
 
 _PLANETOID = {"cora", "citeseer", "pubmed"}
 

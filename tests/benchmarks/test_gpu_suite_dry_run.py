@@ -37,9 +37,15 @@ def test_every_stage_of_the_gpu_suite_runs_on_cpu(tmp_path):
     for i, stages in enumerate(SUITES):
         out = tmp_path / str(i)
         out.mkdir()
-        env = dict(os.environ, OUT=str(out), SUITE_DRY_RUN="1", SUITE_STAGES=" ".join(stages),
-                   OMP_NUM_THREADS="1",  # one core each: the two suites run side by side
-                   SUITE_BUDGET="900", **LIMITS)
+        env = dict(
+            os.environ,
+            OUT=str(out),
+            SUITE_DRY_RUN="1",
+            SUITE_STAGES=" ".join(stages),
+            OMP_NUM_THREADS="1",  # one core each: the two suites run side by side
+            SUITE_BUDGET="900",
+            **LIMITS,
+        )
         runs.append((out, stages, subprocess.Popen(
             ["bash", "benchmarks/run_gpu_suite.sh"], cwd=REPO, env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,

@@ -117,4 +117,3 @@ def test_created_after_peak_counts_what_came_after_an_earlier_near_peak():
     assert live.outside_peak == 11000
     # a later step: 10000 at the early moment + 8000 it already holds = 18000
     assert live.created_after_peak() == 18000 - 11000 and kept.numel() == 2000
-

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: convolutions, dropout 0.5, Adam with weight decay on the first layer) or a GCN 3 x 64 on a
 #: 3,000-node random graph, with the three-line insertion and ``memory_budget=argv[2]``;
 #: prints JSON: the refusal, or every step's phase, meter and measured bytes
-RUN = r'''
+RUN = r"""
 import json, sys, warnings
 import torch, torch.nn.functional as F
 from torch_geometric.nn import GCNConv
@@ -84,7 +84,7 @@ try:
 except BudgetError as e:
     out.update(least=e.least_budget, exact=e.exact, message=str(e))
 print(json.dumps(out))
-'''
+"""
 
 
 def _run(case: str, budget, root: Path, threshold: bool) -> dict:
