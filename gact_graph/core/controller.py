@@ -30,7 +30,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
+from gact_graph.config import DOUBLE_BACKWARD_HELP, CompressionConfig
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
 from gact_graph.core.saved import (
@@ -43,6 +43,7 @@ from gact_graph.core.saved import (
     tensors_in,
     view_bytes,
 )
+from gact_graph.core.state import load_state, save_state
 from gact_graph.core.step_memory import StepMemory
 from gact_graph.kernels.bitpack import PackedMask
 from gact_graph.switches import is_reading_rows, package_work
@@ -735,145 +736,20 @@ class Controller:
         return self.adapter.plot(self.plan, path)
 
     # ------------------------------------------------------------------ state
-    #: settings a state's plan and estimates are made for: loading a state saved with other
-    #: values would run its plan instead of what this controller was asked for
-    STATE_SETTINGS = ("bits", "adaptive", "policy", "loss_bound", "group_size")
-
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "step": self.step,
-            "plan": dict(self.plan),
-            "config": self.config.to_dict(),
-            # which model the plan's tensor names belong to (checked by load_state_dict)
-            "model": type(self.model).__qualname__,
-            "modules": sorted(self.module_paths),
-        }
-        parts = {"adapter": self.adapter, "watch": self.watch, "budget": self.budget}
-        state.update({k: p.state_dict() for k, p in parts.items() if p is not None})
-        return state
-
-    def _paths(self) -> set[str]:
-        """Every module path a tensor name may start with (also where nothing is installed,
-        opt level L0)."""
-        return set(self.module_paths) | {n or "<root>" for n, _ in self.model.named_modules()}
+        """The step, the plan, the config and the adaptive, watch and budget parts' states:
+        what `load_state_dict` resumes from (`gact_graph.core.state`)."""
+        return save_state(self)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Resume from `state_dict()`. Everything is checked before anything changes: a state of
         another model, a malformed plan, step or adapter state raises and leaves the controller
         as it was.
 
-        A state saved with other compression settings (``STATE_SETTINGS``: bits, adaptive,
-        policy, loss_bound, group_size, or the adaptive ladder) is refused with a
+        A state saved with other compression settings (`core.state.STATE_SETTINGS`: bits,
+        adaptive, policy, loss_bound, group_size, or the adaptive ladder) is refused with a
         ``ValueError`` naming each difference (its plan would replace what this controller was
         asked for). With ``strict=False`` this controller's settings hold: only the step and,
         where both are adaptive, the sensitivity estimates are loaded, the plan is made anew
         from them, and a warning says so."""
-        if not isinstance(state, dict):
-            raise TypeError(f"gact_graph state_dict must be a dict, got {type(state).__name__}")
-        missing = {"step", "plan", "config"} - set(state)
-        if missing:
-            raise KeyError(f"gact_graph state_dict lacks {sorted(missing)}")
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be True or False, got {strict!r}")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"gact_graph state_dict: step must be an int >= 0, got {step!r}")
-        model = type(self.model).__qualname__
-        if state.get("model", model) != model:
-            raise ValueError(
-                f"gact_graph state_dict was saved for a {state['model']}, not this {model}"
-            )
-        saved_cfg = state["config"]
-        if not isinstance(saved_cfg, dict):
-            raise TypeError(
-                "gact_graph state_dict: config must be the dict of the saved CompressionConfig "
-                f"(CompressionConfig.to_dict()), got {saved_cfg!r}"
-            )
-        paths = self._paths()
-        plan = state["plan"]
-        if not isinstance(plan, dict):
-            raise TypeError(f"gact_graph state_dict: plan must be a dict, got {plan!r}")
-        for name, bits in plan.items():
-            if bits is not None and (isinstance(bits, bool) or bits not in PLAN_BITS):
-                raise ValueError(
-                    f"gact_graph state_dict: plan gives tensor {name!r} {bits!r} bits; "
-                    f"a plan holds {PLAN_BITS} or None (lossless)"
-                )
-            self._check_tensor_name(name, paths, "plan")
-        conflicts = self._conflicts(state)
-        adapter_state = state.get("adapter")
-        load_adapter = self.adapter is not None and adapter_state is not None
-        if load_adapter:
-            self.adapter.check_state(adapter_state)  # raises, naming what is wrong
-            for name in adapter_state["tensors"]:
-                self._check_tensor_name(name, paths, "adapter state")
-        others = {"watch": self.watch, "budget": self.budget}  # loaded as `watch` is
-        others = [(p, state[k]) for k, p in others.items() if p is not None and k in state]
-        for part, saved in others:
-            part.check_state(saved)
-        if conflicts and strict:
-            said = ", ".join(
-                f"{k}={saved!r} (this controller: {now!r})" for k, saved, now in conflicts
-            )
-            raise ValueError(
-                f"gact_graph state_dict was saved with other compression settings: {said}; its "
-                "plan would replace what this controller was asked for. Build the controller "
-                "with the saved settings to resume that run, or call "
-                "load_state_dict(state, strict=False) to keep this controller's settings (the "
-                "step and any sensitivity estimates are loaded, the plan is made anew)"
-            )
-        self.step, self._step_forwards = step, 0
-        if conflicts:  # strict=False: this controller's settings hold
-            self.plan = {}
-            if load_adapter:
-                self.adapter.load_state_dict(adapter_state)
-                if self.adapter.tensors:
-                    self.plan.update(self.adapter.make_plan())
-            now = ", ".join(f"{k}={n!r}" for k, _, n in conflicts)
-            saved = ", ".join(f"{k}={s!r}" for k, s, _ in conflicts)
-            warnings.warn(
-                f"gact_graph: state saved with {saved}; this controller's settings hold "
-                f"({now}): loaded the step"
-                + (
-                    " and the sensitivity estimates, the plan is made from them"
-                    if load_adapter
-                    else ", not the saved plan"
-                ),
-                stacklevel=2,
-            )
-            return
-        self.plan = dict(plan)
-        if load_adapter:
-            self.adapter.load_state_dict(adapter_state)
-        for part, saved in others:
-            part.load_state_dict(saved, self)
-
-    def _check_tensor_name(self, name: Any, paths: set[str], where: str) -> None:
-        if not isinstance(name, str) or "#" not in name:
-            raise ValueError(
-                f"gact_graph state_dict: {where} names a tensor {name!r}; names are "
-                "'<module path>#<index>' strings"
-            )
-        path = name.rpartition("#")[0]
-        if path not in paths:
-            raise ValueError(
-                f"gact_graph state_dict: {where} names tensor {name!r} of module {path!r}, "
-                f"which this {type(self.model).__qualname__} does not have (a state of another "
-                "model?)"
-            )
-
-    def _conflicts(self, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-        """``(setting, saved, this controller's)`` for each setting the state differs in."""
-        saved_cfg = state["config"]
-        out = [
-            (key, saved_cfg[key], getattr(self.config, key))
-            for key in self.STATE_SETTINGS
-            if key in saved_cfg and saved_cfg[key] != getattr(self.config, key)
-        ]
-        # the bits of the saved plan must be ones this controller's adapter may use
-        adapter_state = state.get("adapter")
-        if self.adapter is not None and isinstance(adapter_state, dict):
-            ladder = adapter_state.get("ladder")
-            if ladder is not None and list(ladder) != list(self.adapter.ladder):
-                out.append(("ladder", list(ladder), list(self.adapter.ladder)))
-        return out
+        load_state(self, state, strict)
