@@ -33,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gact_graph.config import DOUBLE_BACKWARD_HELP, CompressionConfig
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
+from gact_graph.core.report import saved_report, saved_stats
 from gact_graph.core.saved import (
     KINDS,
     PARAM_COPY_NODES,
@@ -666,65 +667,11 @@ class Controller:
         that reports one (``progress()``), ``re_estimation`` says whether a re-estimation spread
         over several steps is in progress and over how many.
         """
-        tensors = [
-            {**r, "shape": tuple(r["shape"]), "dtype": str(r["dtype"]).replace("torch.", "")}
-            for r in self._records
-        ]
-        by_kind = {k: {"count": 0, "orig_bytes": 0, "stored_bytes": 0} for k in KINDS}
-        for r in tensors:
-            agg = by_kind[r["kind"]]
-            agg["count"] += 1
-            agg["orig_bytes"] += r["orig_bytes"]
-            agg["stored_bytes"] += r["stored_bytes"]
-        counted = [k for k in KINDS if k not in ("param", "input")]
-        orig = sum(by_kind[k]["orig_bytes"] for k in counted)
-        stored = sum(by_kind[k]["stored_bytes"] for k in counted)
-        live = 0
-        for w in self._live:
-            s = w()
-            if s is not None and s.kind not in ("param", "input"):
-                live += s.stored_bytes
-        out = {
-            "step": self.step,
-            "tensors": tensors,
-            "by_kind": by_kind,
-            "total": {
-                "orig_bytes": orig,
-                "stored_bytes": stored,
-                "ratio": (orig / stored) if stored else float("inf") if orig else 1.0,
-            },
-            "live_stored_bytes": live,
-        }
-        progress = getattr(self.adapter, "progress", None)
-        if progress is not None:
-            out["re_estimation"] = progress()
-        return out
+        return saved_stats(self)
 
     def report(self) -> str:
         """A table: every module, the path it ran (graph-aware or generic) and its bytes."""
-        per_module: dict[str, list[int]] = {}
-        for r in self._records:
-            path = r["name"].rsplit("#", 1)[0]
-            agg = per_module.setdefault(path, [0, 0, 0])
-            if r["kind"] in ("param", "input"):
-                continue
-            agg[0] += 1
-            agg[1] += r["orig_bytes"]
-            agg[2] += r["stored_bytes"]
-        rows = [f"{'module':<40} {'path':<14} {'saved':>5} {'orig MB':>10} {'stored MB':>10}"]
-        for path, kind in self.module_paths.items():
-            n, o, s = per_module.get(path, [0, 0, 0])
-            rows.append(f"{path:<40} {kind:<14} {n:>5} {o / 2**20:>10.3f} {s / 2**20:>10.3f}")
-        tot = self.stats()["total"]
-        rows.append(
-            f"{'total':<40} {'':<14} {'':>5} {tot['orig_bytes'] / 2**20:>10.3f} "
-            f"{tot['stored_bytes'] / 2**20:>10.3f}"
-        )
-        if self.adapter is not None:  # bits and sensitivity per tensor
-            rows += ["", self.adapter.report(self.plan)]
-        for extra in self.report_extra:  # the step's memory, the memory-budget plan
-            rows += ["", extra()]
-        return "\n".join(rows)
+        return saved_report(self)
 
     def plot_bits(self, path: str) -> str:
         """Save a bar chart of the adaptive plan (bits and sensitivity per tensor) to ``path``
@@ -735,10 +682,8 @@ class Controller:
             )
         return self.adapter.plot(self.plan, path)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The step, the plan, the config and the adaptive, watch and budget parts' states:
-        what `load_state_dict` resumes from (`gact_graph.core.state`)."""
+        """The step, plan, config and parts' states that `load_state_dict` resumes from."""
         return save_state(self)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
