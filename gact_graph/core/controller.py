@@ -30,9 +30,10 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gact_graph.config import DOUBLE_BACKWARD_HELP, PLAN_BITS, CompressionConfig
+from gact_graph.config import DOUBLE_BACKWARD_HELP, CompressionConfig
 from gact_graph.core.chunked import RowChunked
 from gact_graph.core.quantize import QTensor, exceeds_fp32_range, pack_bool_mask, quantize
+from gact_graph.core.report import saved_report, saved_stats
 from gact_graph.core.saved import (
     KINDS,
     PARAM_COPY_NODES,
@@ -43,6 +44,7 @@ from gact_graph.core.saved import (
     tensors_in,
     view_bytes,
 )
+from gact_graph.core.state import load_state, save_state
 from gact_graph.core.step_memory import StepMemory
 from gact_graph.kernels.bitpack import PackedMask
 from gact_graph.switches import is_reading_rows, package_work
@@ -665,65 +667,11 @@ class Controller:
         that reports one (``progress()``), ``re_estimation`` says whether a re-estimation spread
         over several steps is in progress and over how many.
         """
-        tensors = [
-            {**r, "shape": tuple(r["shape"]), "dtype": str(r["dtype"]).replace("torch.", "")}
-            for r in self._records
-        ]
-        by_kind = {k: {"count": 0, "orig_bytes": 0, "stored_bytes": 0} for k in KINDS}
-        for r in tensors:
-            agg = by_kind[r["kind"]]
-            agg["count"] += 1
-            agg["orig_bytes"] += r["orig_bytes"]
-            agg["stored_bytes"] += r["stored_bytes"]
-        counted = [k for k in KINDS if k not in ("param", "input")]
-        orig = sum(by_kind[k]["orig_bytes"] for k in counted)
-        stored = sum(by_kind[k]["stored_bytes"] for k in counted)
-        live = 0
-        for w in self._live:
-            s = w()
-            if s is not None and s.kind not in ("param", "input"):
-                live += s.stored_bytes
-        out = {
-            "step": self.step,
-            "tensors": tensors,
-            "by_kind": by_kind,
-            "total": {
-                "orig_bytes": orig,
-                "stored_bytes": stored,
-                "ratio": (orig / stored) if stored else float("inf") if orig else 1.0,
-            },
-            "live_stored_bytes": live,
-        }
-        progress = getattr(self.adapter, "progress", None)
-        if progress is not None:
-            out["re_estimation"] = progress()
-        return out
+        return saved_stats(self)
 
     def report(self) -> str:
         """A table: every module, the path it ran (graph-aware or generic) and its bytes."""
-        per_module: dict[str, list[int]] = {}
-        for r in self._records:
-            path = r["name"].rsplit("#", 1)[0]
-            agg = per_module.setdefault(path, [0, 0, 0])
-            if r["kind"] in ("param", "input"):
-                continue
-            agg[0] += 1
-            agg[1] += r["orig_bytes"]
-            agg[2] += r["stored_bytes"]
-        rows = [f"{'module':<40} {'path':<14} {'saved':>5} {'orig MB':>10} {'stored MB':>10}"]
-        for path, kind in self.module_paths.items():
-            n, o, s = per_module.get(path, [0, 0, 0])
-            rows.append(f"{path:<40} {kind:<14} {n:>5} {o / 2**20:>10.3f} {s / 2**20:>10.3f}")
-        tot = self.stats()["total"]
-        rows.append(
-            f"{'total':<40} {'':<14} {'':>5} {tot['orig_bytes'] / 2**20:>10.3f} "
-            f"{tot['stored_bytes'] / 2**20:>10.3f}"
-        )
-        if self.adapter is not None:  # bits and sensitivity per tensor
-            rows += ["", self.adapter.report(self.plan)]
-        for extra in self.report_extra:  # the step's memory, the memory-budget plan
-            rows += ["", extra()]
-        return "\n".join(rows)
+        return saved_report(self)
 
     def plot_bits(self, path: str) -> str:
         """Save a bar chart of the adaptive plan (bits and sensitivity per tensor) to ``path``
@@ -734,146 +682,19 @@ class Controller:
             )
         return self.adapter.plot(self.plan, path)
 
-    # ------------------------------------------------------------------ state
-    #: settings a state's plan and estimates are made for: loading a state saved with other
-    #: values would run its plan instead of what this controller was asked for
-    STATE_SETTINGS = ("bits", "adaptive", "policy", "loss_bound", "group_size")
-
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "step": self.step,
-            "plan": dict(self.plan),
-            "config": self.config.to_dict(),
-            # which model the plan's tensor names belong to (checked by load_state_dict)
-            "model": type(self.model).__qualname__,
-            "modules": sorted(self.module_paths),
-        }
-        parts = {"adapter": self.adapter, "watch": self.watch, "budget": self.budget}
-        state.update({k: p.state_dict() for k, p in parts.items() if p is not None})
-        return state
-
-    def _paths(self) -> set[str]:
-        """Every module path a tensor name may start with (also where nothing is installed,
-        opt level L0)."""
-        return set(self.module_paths) | {n or "<root>" for n, _ in self.model.named_modules()}
+        """The step, plan, config and parts' states that `load_state_dict` resumes from."""
+        return save_state(self)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Resume from `state_dict()`. Everything is checked before anything changes: a state of
         another model, a malformed plan, step or adapter state raises and leaves the controller
         as it was.
 
-        A state saved with other compression settings (``STATE_SETTINGS``: bits, adaptive,
-        policy, loss_bound, group_size, or the adaptive ladder) is refused with a
+        A state saved with other compression settings (`core.state.STATE_SETTINGS`: bits,
+        adaptive, policy, loss_bound, group_size, or the adaptive ladder) is refused with a
         ``ValueError`` naming each difference (its plan would replace what this controller was
         asked for). With ``strict=False`` this controller's settings hold: only the step and,
         where both are adaptive, the sensitivity estimates are loaded, the plan is made anew
         from them, and a warning says so."""
-        if not isinstance(state, dict):
-            raise TypeError(f"gact_graph state_dict must be a dict, got {type(state).__name__}")
-        missing = {"step", "plan", "config"} - set(state)
-        if missing:
-            raise KeyError(f"gact_graph state_dict lacks {sorted(missing)}")
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict must be True or False, got {strict!r}")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"gact_graph state_dict: step must be an int >= 0, got {step!r}")
-        model = type(self.model).__qualname__
-        if state.get("model", model) != model:
-            raise ValueError(
-                f"gact_graph state_dict was saved for a {state['model']}, not this {model}"
-            )
-        saved_cfg = state["config"]
-        if not isinstance(saved_cfg, dict):
-            raise TypeError(
-                "gact_graph state_dict: config must be the dict of the saved CompressionConfig "
-                f"(CompressionConfig.to_dict()), got {saved_cfg!r}"
-            )
-        paths = self._paths()
-        plan = state["plan"]
-        if not isinstance(plan, dict):
-            raise TypeError(f"gact_graph state_dict: plan must be a dict, got {plan!r}")
-        for name, bits in plan.items():
-            if bits is not None and (isinstance(bits, bool) or bits not in PLAN_BITS):
-                raise ValueError(
-                    f"gact_graph state_dict: plan gives tensor {name!r} {bits!r} bits; "
-                    f"a plan holds {PLAN_BITS} or None (lossless)"
-                )
-            self._check_tensor_name(name, paths, "plan")
-        conflicts = self._conflicts(state)
-        adapter_state = state.get("adapter")
-        load_adapter = self.adapter is not None and adapter_state is not None
-        if load_adapter:
-            self.adapter.check_state(adapter_state)  # raises, naming what is wrong
-            for name in adapter_state["tensors"]:
-                self._check_tensor_name(name, paths, "adapter state")
-        others = {"watch": self.watch, "budget": self.budget}  # loaded as `watch` is
-        others = [(p, state[k]) for k, p in others.items() if p is not None and k in state]
-        for part, saved in others:
-            part.check_state(saved)
-        if conflicts and strict:
-            said = ", ".join(
-                f"{k}={saved!r} (this controller: {now!r})" for k, saved, now in conflicts
-            )
-            raise ValueError(
-                f"gact_graph state_dict was saved with other compression settings: {said}; its "
-                "plan would replace what this controller was asked for. Build the controller "
-                "with the saved settings to resume that run, or call "
-                "load_state_dict(state, strict=False) to keep this controller's settings (the "
-                "step and any sensitivity estimates are loaded, the plan is made anew)"
-            )
-        self.step, self._step_forwards = step, 0
-        if conflicts:  # strict=False: this controller's settings hold
-            self.plan = {}
-            if load_adapter:
-                self.adapter.load_state_dict(adapter_state)
-                if self.adapter.tensors:
-                    self.plan.update(self.adapter.make_plan())
-            now = ", ".join(f"{k}={n!r}" for k, _, n in conflicts)
-            saved = ", ".join(f"{k}={s!r}" for k, s, _ in conflicts)
-            warnings.warn(
-                f"gact_graph: state saved with {saved}; this controller's settings hold "
-                f"({now}): loaded the step"
-                + (
-                    " and the sensitivity estimates, the plan is made from them"
-                    if load_adapter
-                    else ", not the saved plan"
-                ),
-                stacklevel=2,
-            )
-            return
-        self.plan = dict(plan)
-        if load_adapter:
-            self.adapter.load_state_dict(adapter_state)
-        for part, saved in others:
-            part.load_state_dict(saved, self)
-
-    def _check_tensor_name(self, name: Any, paths: set[str], where: str) -> None:
-        if not isinstance(name, str) or "#" not in name:
-            raise ValueError(
-                f"gact_graph state_dict: {where} names a tensor {name!r}; names are "
-                "'<module path>#<index>' strings"
-            )
-        path = name.rpartition("#")[0]
-        if path not in paths:
-            raise ValueError(
-                f"gact_graph state_dict: {where} names tensor {name!r} of module {path!r}, "
-                f"which this {type(self.model).__qualname__} does not have (a state of another "
-                "model?)"
-            )
-
-    def _conflicts(self, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-        """``(setting, saved, this controller's)`` for each setting the state differs in."""
-        saved_cfg = state["config"]
-        out = [
-            (key, saved_cfg[key], getattr(self.config, key))
-            for key in self.STATE_SETTINGS
-            if key in saved_cfg and saved_cfg[key] != getattr(self.config, key)
-        ]
-        # the bits of the saved plan must be ones this controller's adapter may use
-        adapter_state = state.get("adapter")
-        if self.adapter is not None and isinstance(adapter_state, dict):
-            ladder = adapter_state.get("ladder")
-            if ladder is not None and list(ladder) != list(self.adapter.ladder):
-                out.append(("ladder", list(ladder), list(self.adapter.ladder)))
-        return out
+        load_state(self, state, strict)
