@@ -27,8 +27,8 @@ SUITES = (
 
 #: the mechanics are under test, not the time: the limits of the stages that do not fit their
 #: work to their limit (`--time-budget`) leave room for a loaded CI machine
-LIMITS = {f"T_{stage}": "300" for stage in ("QUANTIZE", "MEMORY", "REPLAN", "GAT_PROBE", "SMALL",
-          "PRODUCTS", "HOST")}  # fmt: skip
+LIMITS = {f"T_{stage}": "300" for stage in ("QUANTIZE", "MEMORY", "SCALING", "LARGEST", "STEP",
+          "GAT_EDGE", "REPLAN", "GAT_PROBE", "SMALL", "PRODUCTS", "HOST")}  # fmt: skip
 
 
 @pytest.mark.slow
