@@ -21,6 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gact_graph.core.meter import StepMeter
+from gact_graph.switches import package_work
 
 __all__ = ["StepMemory"]
 
@@ -98,6 +99,8 @@ class StepMemory:
         self._step_inputs: tuple[dict[tuple, int], dict[tuple, int]] = ({}, {})
         self._inputs: tuple[dict[tuple, int], dict[tuple, int]] = ({}, {})  # graph, features
         self._optimizers, self._others = weakref.WeakSet(), weakref.WeakSet()
+        if ctl.config.opt_level == "L0":  # L0 installs nothing: stock's forward, untouched
+            return
         me = weakref.ref(self)  # torch's hook table must not keep the controller alive
 
         def stepped(optimizer, args, kwargs) -> None:
@@ -117,6 +120,7 @@ class StepMemory:
         holds = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
         (self._optimizers if holds else self._others).add(optimizer)
 
+    @package_work  # its storage reads are the package's, not the user's calls
     def _begin(self, module, args, kwargs) -> None:
         """The root forward's pre-hook: the step's first training forward reads the peak."""
         if not self.ctl.compressing or self._before is not None:

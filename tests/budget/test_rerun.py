@@ -288,19 +288,42 @@ def test_a_budget_between_later_steps_and_the_profile_step_is_met_or_refused(mon
     met(budget, peaks, planner)
 
 
-def test_a_budget_fixed_two_bits_meets_is_admitted_and_met(monkeypatch):
+#: fixed 2 and 1 bit's steps, then a budget 5 % above fixed 2 bits' worst step, in a fresh
+#: process (what earlier tests leave cached in a process changes what its first steps count)
+FIXED_TWO = r"""
+import json
+from tests.budget.test_rerun import _counted_steps
+fixed2, _ = _counted_steps(bits=2, adaptive=False)
+fixed1, _ = _counted_steps(bits=1, adaptive=False)
+budget = int(max(fixed2) * 1.05)
+peaks, planner = _counted_steps(4, memory_budget=budget)
+print(json.dumps(dict(fixed1=fixed1, budget=budget, peaks=peaks, history=planner.history)))
+"""
+
+
+def _fresh(script: str, threshold: bool = False) -> dict:
+    """``script`` run in a fresh process on one thread; the JSON it printed last."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_budget_fixed_two_bits_meets_is_admitted_and_met():
     """5 % above what fixed 2 bits holds in every step: admitted and met in every step, the
     profile step included, counted independently too (while the profile step ran the
-    sensitivity probe, such a budget was refused when other tests had run before it in the
-    process: the profile step counted 12.24 MiB against 12.23)."""
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    fixed2, _ = _counted_steps(bits=2, adaptive=False)
-    fixed1, _ = _counted_steps(bits=1, adaptive=False)
-    budget = int(max(fixed2) * 1.05)
-    peaks, planner = _counted_steps(4, memory_budget=budget)
-    assert [h["phase"] for h in planner.history] == ["profile"] + ["planned"] * 3
+    sensitivity probe, such a budget was refused)."""
+    out = _fresh(FIXED_TWO)
+    fixed1, budget, peaks, history = out["fixed1"], out["budget"], out["peaks"], out["history"]
+    assert [h["phase"] for h in history] == ["profile"] + ["planned"] * 3
     assert peaks[0] <= 1.2 * max(fixed1)
-    for h, counted in zip(planner.history, peaks):
+    for h, counted in zip(history, peaks):
         assert h["measured"] <= budget and counted <= budget, (peaks, budget)
 
 
@@ -324,16 +347,7 @@ def test_a_budget_just_above_fixed_one_bit_is_admitted_and_met(threshold):
     holds: the sensitivity probe is not run there but in a planned step that leaves room for
     it, which this budget does not (once the probe ran in the profile step, and such a budget
     was refused)."""
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    done = subprocess.run(
-        [sys.executable, "-c", JUST_ABOVE],
-        env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _fresh(JUST_ABOVE, threshold)
     fixed1, budget, peaks, history = out["fixed1"], out["budget"], out["peaks"], out["history"]
     assert [h["phase"] for h in history] == ["profile"] + ["planned"] * 4
     assert not any(h["probe"] for h in history)
@@ -343,27 +357,39 @@ def test_a_budget_just_above_fixed_one_bit_is_admitted_and_met(threshold):
         assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
 
 
-def test_the_sensitivity_probe_runs_in_a_planned_step_with_room_for_it(monkeypatch):
+#: fixed 1 bit's steps, then a budget with room for the probe, in a fresh process
+PROBE_ROOM = r"""
+import json
+from tests.budget.test_rerun import _counted_steps
+fixed1, _ = _counted_steps(bits=1, adaptive=False)
+# room for the default-width plan under the accuracy bound (the probe step's) and the
+# probe's estimate: a plan below the bound is not probed
+budget = int(max(fixed1) * 1.5)
+peaks, planner = _counted_steps(5, memory_budget=budget)
+ctl = planner.ctl
+print(json.dumps(dict(
+    fixed1=fixed1, budget=budget, peaks=peaks, history=planner.history,
+    relaxed=planner.plan_state.relaxed, capped=planner.plan_state.variance_cap is not None,
+    estimated=bool(ctl.adapter.c), paused=ctl.adapter.next_estimate - ctl.step,
+)))
+"""
+
+
+def test_the_sensitivity_probe_runs_in_a_planned_step_with_room_for_it():
     """With room below the budget, the probe the profile step left out runs in the first
     planned step, within the budget, and the plan is chosen again with the sensitivities it
     measured (the accuracy bound's variance cap known; before, no tensor without an estimate
     went below the default width)."""
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    fixed1, _ = _counted_steps(bits=1, adaptive=False)
-    # room for the default-width plan under the accuracy bound (the probe step's) and the
-    # probe's estimate: a plan below the bound is not probed
-    budget = int(max(fixed1) * 1.5)
-    peaks, planner = _counted_steps(5, memory_budget=budget)
-    history = planner.history
-    assert planner.plan_state.relaxed == "", history
+    out = _fresh(PROBE_ROOM)
+    history, peaks, budget = out["history"], out["peaks"], out["budget"]
+    assert out["relaxed"] == "", history
     assert [h["phase"] for h in history] == ["profile"] + ["planned"] * 4
     assert [h["probe"] for h in history] == [False, True, False, False, False], history
-    assert planner.plan_state.variance_cap is not None and planner.ctl.adapter.c
-    assert peaks[0] <= max(fixed1), (peaks, fixed1)
+    assert out["capped"] and out["estimated"]
+    assert peaks[0] <= max(out["fixed1"]), (peaks, out["fixed1"])
     for h, counted in zip(history, peaks):  # the probed step too
         assert h["measured"] <= budget and counted <= budget, (peaks, history, budget)
-    # the probe is paused again: no later step probes
-    assert planner.ctl.adapter.next_estimate > planner.ctl.step + 1000
+    assert out["paused"] > 1000  # the probe is paused again: no later step probes
 
 
 def test_the_probe_step_runs_its_own_plan_where_the_plan_in_force_leaves_no_room(
